@@ -1,0 +1,1 @@
+"""Hardware profiles, time models and the autotuner (see DESIGN.md section 5)."""

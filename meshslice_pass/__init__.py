@@ -1,0 +1,12 @@
+"""meshslice: a JAX pass that makes 2D tensor parallelism fast.
+
+    fast_step = meshslice.transform(step)         # same signature, shardings, donation
+    print(meshslice.explain(step)(*args))          # what was rewritten, how, and why not
+"""
+from .options import Options
+from .planning import Site
+from .report import Report
+from .transform import Transformed, explain, transform
+
+__all__ = ["Options", "Report", "Site", "Transformed", "explain", "transform"]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""The few private JAX APIs the pass needs, in one place.
+
+Everything else in the package uses public `jax.*` names. If a JAX upgrade moves one of
+these, this is the only file to change.
+"""
+from __future__ import annotations
+
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as _pe
+
+ClosedJaxpr = _core.ClosedJaxpr
+Jaxpr = _core.Jaxpr
+Literal = _core.Literal
+Var = _core.Var
+DropVar = _core.DropVar
+
+
+def retrace(fun, in_avals, debug_info):
+  """Trace `fun` over abstract values, keeping vma/weak_type/sharding of `in_avals`.
+
+  Returns a ClosedJaxpr whose consts are whatever `fun` closed over.
+  """
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+      _lu.wrap_init(fun, debug_info=debug_info), list(in_avals))
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def hoist_consts(closed: ClosedJaxpr):
+  """Turn a ClosedJaxpr's consts into leading invars: returns (open jaxpr, consts)."""
+  return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def rebind_context(eqn):
+  """Context that re-binds `eqn` with its user traceback and name stack (so the emitted
+  program keeps file:line and the jvp/transpose markers telling forward from backward)."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def source_location(eqn) -> str:
+  """'file:line' of the user code that produced `eqn` ('' when unknown)."""
+  frame = source_info_util.user_frame(eqn.source_info.traceback)
+  if frame is None:
+    return ""
+  return f"{frame.file_name}:{frame.start_line}"
+
+
+def name_stack(eqn) -> str:
+  return str(eqn.source_info.name_stack)
+
+
+def jit_params(traced) -> dict:
+  """The params of the `jit` equation a `jax.jit(...).trace(...)` call produced."""
+  return dict(traced._params)
+
+
+def jit_info(jitted):
+  """The static_argnums/static_argnames/... record of a `jax.jit`-wrapped function."""
+  return getattr(jitted, "_jit_info", None)

@@ -1,0 +1,417 @@
+"""Sharding analysis: the layout of every variable of a jaxpr, in both JAX modes.
+
+Explicit mode: every aval carries its NamedSharding, so the layout is read off the type.
+Auto mode: avals say nothing; layouts come from jit in/out shardings, sharding
+constraints, device_put and shard_map specs, and are propagated forward *and* backward
+through the common primitives until nothing changes. Unknown stays unknown.
+
+Correctness never depends on this analysis: a rewritten site's shard_map pins its own
+operand and result layouts, and GSPMD reshards around it if the guess was off. The
+analysis only decides which sites are worth rewriting and how.
+
+Rules are registered per primitive with `@rule("name", ...)`. A rule receives the
+current in/out specs (None = unknown) and returns its best guess for all of them; the
+driver only fills unknowns, so rules never overwrite what is already known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from jax.sharding import AxisType
+
+from . import matching
+from . import specs as S
+from ._jax_internals import ClosedJaxpr, Literal
+
+_RULES = {}
+_MAX_SWEEPS = 6
+
+
+def rule(*names):
+  def register(fn):
+    for n in names:
+      _RULES[n] = fn
+    return fn
+  return register
+
+
+@dataclasses.dataclass
+class JaxprAnalysis:
+  """Specs of one (sub-)jaxpr's variables, plus the analyses of its sub-jaxprs keyed by
+  (eqn index, param name, branch index)."""
+  specs: dict
+  children: dict
+  boundary: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  axis_sizes: dict          # mesh axis name -> size, in mesh order
+
+
+def _shape(v):
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def _explicit_spec(aval, axis_sizes):
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not getattr(mesh, "axis_names", ()):
+    return None
+  if not any(t == AxisType.Explicit for t in mesh.axis_types):
+    return None
+  return S.from_partition_spec(sharding.spec, len(aval.shape), axis_sizes)
+
+
+def analyze(closed: ClosedJaxpr, in_specs, out_specs, ctx: Context) -> JaxprAnalysis:
+  """Analyse a closed jaxpr given (possibly None) specs for its inputs and outputs."""
+  return _analyze(closed.jaxpr, list(in_specs), list(out_specs), ctx, None)
+
+
+def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
+  state = previous or JaxprAnalysis(specs={}, children={})
+  specs = state.specs
+
+  def get(v):
+    if isinstance(v, Literal):
+      return S.replicated(len(np.shape(v.val)))
+    if v in specs:
+      return specs[v]
+    explicit = _explicit_spec(v.aval, ctx.axis_sizes)
+    if explicit is not None:
+      specs[v] = explicit
+    return explicit
+
+  changed = False
+
+  def put(v, spec):
+    nonlocal changed
+    if spec is None or isinstance(v, Literal) or v in specs:
+      return
+    if len(spec) != len(_shape(v)):
+      return
+    specs[v] = spec
+    changed = True
+
+  for v, s in zip(jaxpr.invars, in_specs):
+    put(v, s)
+  for v, s in zip(jaxpr.outvars, out_specs):
+    put(v, s)
+  for v in jaxpr.constvars:
+    put(v, S.replicated(len(_shape(v))))
+
+  for _ in range(_MAX_SWEEPS):
+    changed = False
+    order = list(enumerate(jaxpr.eqns))
+    for index, eqn in order + order[::-1]:
+      ins = [get(v) for v in eqn.invars]
+      outs = [get(v) for v in eqn.outvars]
+      fn = _RULES.get(eqn.primitive.name, _elementwise_or_unknown)
+      new_ins, new_outs = fn(eqn, ins, outs, ctx, state, index)
+      for v, s in zip(eqn.invars, new_ins):
+        put(v, s)
+      for v, s in zip(eqn.outvars, new_outs):
+        put(v, s)
+    if not changed:
+      break
+  return state
+
+
+# ---------------------------------------------------------------- generic rules
+
+def _elementwise_or_unknown(eqn, ins, outs, ctx, state, index):
+  """Same-shape operands and results share one layout (scalars broadcast)."""
+  shapes = [_shape(v) for v in eqn.invars] + [_shape(v) for v in eqn.outvars]
+  full = max(shapes, key=len) if shapes else ()
+  if not all(s == full or s == () for s in shapes):
+    return ins, outs
+  merged = S.merge([s for s, v in zip(ins + outs, list(eqn.invars) + list(eqn.outvars))
+                    if _shape(v) == full])
+  pick = lambda v, s: s if s is not None else (merged if _shape(v) == full else
+                                                S.replicated(0) if _shape(v) == () else None)
+  return ([pick(v, s) for v, s in zip(eqn.invars, ins)],
+          [pick(v, s) for v, s in zip(eqn.outvars, outs)])
+
+
+@rule("broadcast_in_dim")
+def _broadcast_in_dim(eqn, ins, outs, ctx, state, index):
+  operand, out_v = eqn.invars[0], eqn.outvars[0]
+  bdims = eqn.params["broadcast_dimensions"]
+  in_shape, out_shape = _shape(operand), _shape(out_v)
+  new_out = outs[0]
+  if new_out is None and ins[0] is not None:
+    entries = [()] * len(out_shape)
+    for j, d in enumerate(bdims):
+      if in_shape[j] == out_shape[d]:
+        entries[d] = ins[0][j]
+    new_out = tuple(entries)
+  new_in = ins[0]
+  if new_in is None and outs[0] is not None:
+    new_in = tuple(outs[0][d] if in_shape[j] == out_shape[d] else ()
+                   for j, d in enumerate(bdims))
+  return [new_in] + ins[1:], [new_out]
+
+
+def _reshape_map(src_shape, dst_shape, spec, axis_sizes):
+  """Carry a spec across a reshape that splits or merges dims (first dim of a group
+  keeps the sharding when its size allows it)."""
+  out = [()] * len(dst_shape)
+  i = j = 0
+  while i < len(src_shape) and j < len(dst_shape):
+    gi, gj = [i], [j]
+    a, b = src_shape[i], dst_shape[j]
+    while a != b:
+      if a < b:
+        i += 1
+        if i >= len(src_shape):
+          return None
+        a *= src_shape[i]
+        gi.append(i)
+      else:
+        j += 1
+        if j >= len(dst_shape):
+          return None
+        b *= dst_shape[j]
+        gj.append(j)
+    sharded = [d for d in gi if spec[d]]
+    if sharded:
+      if sharded != [gi[0]]:
+        return None        # an inner dim of a merge is split: not a plain layout
+      entry = spec[gi[0]]
+      if dst_shape[gj[0]] % math.prod(axis_sizes[x] for x in entry):
+        return None
+      out[gj[0]] = entry
+    i += 1
+    j += 1
+  return tuple(out)
+
+
+@rule("reshape")
+def _reshape(eqn, ins, outs, ctx, state, index):
+  src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+  new_out = outs[0] if outs[0] is not None else (
+      _reshape_map(src, dst, ins[0], ctx.axis_sizes) if ins[0] is not None else None)
+  new_in = ins[0] if ins[0] is not None else (
+      _reshape_map(dst, src, outs[0], ctx.axis_sizes) if outs[0] is not None else None)
+  return [new_in] + ins[1:], [new_out]
+
+
+@rule("transpose")
+def _transpose(eqn, ins, outs, ctx, state, index):
+  perm = eqn.params["permutation"]
+  new_out = outs[0] if outs[0] is not None or ins[0] is None else tuple(ins[0][p] for p in perm)
+  new_in = ins[0]
+  if new_in is None and outs[0] is not None:
+    inv = np.argsort(perm)
+    new_in = tuple(outs[0][int(p)] for p in inv)
+  return [new_in], [new_out]
+
+
+@rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+      "argmax", "argmin")
+def _reduce(eqn, ins, outs, ctx, state, index):
+  axes = eqn.params["axes"]
+  new_out = outs[0]
+  if new_out is None and ins[0] is not None:
+    new_out = tuple(e for d, e in enumerate(ins[0]) if d not in axes)
+  new_in = ins[0]
+  if new_in is None and outs[0] is not None:
+    kept = iter(outs[0])
+    new_in = tuple(() if d in axes else next(kept) for d in range(len(_shape(eqn.invars[0]))))
+  return [new_in] + ins[1:], [new_out] + outs[1:]
+
+
+@rule("squeeze")
+def _squeeze(eqn, ins, outs, ctx, state, index):
+  dims = eqn.params["dimensions"]
+  new_out = outs[0]
+  if new_out is None and ins[0] is not None:
+    new_out = tuple(e for d, e in enumerate(ins[0]) if d not in dims)
+  new_in = ins[0]
+  if new_in is None and outs[0] is not None:
+    kept = iter(outs[0])
+    new_in = tuple(() if d in dims else next(kept) for d in range(len(_shape(eqn.invars[0]))))
+  return [new_in], [new_out]
+
+
+def _same_size_dims(spec, src_shape, dst_shape):
+  return tuple(e if a == b else () for e, a, b in zip(spec, src_shape, dst_shape))
+
+
+@rule("slice", "dynamic_slice", "pad", "rev", "cumsum", "cumprod", "cummax", "cumlogsumexp")
+def _resize(eqn, ins, outs, ctx, state, index):
+  src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+  if len(src) != len(dst):
+    return ins, outs
+  new_out = outs[0] if outs[0] is not None or ins[0] is None else _same_size_dims(ins[0], src, dst)
+  new_in = ins[0] if ins[0] is not None or outs[0] is None else _same_size_dims(outs[0], dst, src)
+  return [new_in] + ins[1:], [new_out]
+
+
+@rule("dynamic_update_slice")
+def _dynamic_update_slice(eqn, ins, outs, ctx, state, index):
+  merged = S.merge([ins[0], outs[0]])
+  return [merged] + ins[1:], [merged]
+
+
+@rule("concatenate")
+def _concatenate(eqn, ins, outs, ctx, state, index):
+  dim = eqn.params["dimension"]
+  merged = S.merge(ins + outs)
+  if merged is None:
+    return ins, outs
+  merged = tuple(() if d == dim else e for d, e in enumerate(merged))
+  return [s if s is not None else merged for s in ins], [outs[0] or merged]
+
+
+@rule("sharding_constraint")
+def _sharding_constraint(eqn, ins, outs, ctx, state, index):
+  spec = S.from_sharding(eqn.params["sharding"], len(_shape(eqn.outvars[0])), ctx.axis_sizes)
+  return [ins[0] if ins[0] is not None else spec], [spec]
+
+
+@rule("device_put")
+def _device_put(eqn, ins, outs, ctx, state, index):
+  new_outs = []
+  for v, s, dev in zip(eqn.outvars, ins, eqn.params.get("devices", [None] * len(ins))):
+    spec = S.from_sharding(dev, len(_shape(v)), ctx.axis_sizes)
+    new_outs.append(spec if spec is not None else s)
+  return ins, [o if o is not None else n for o, n in zip(outs, new_outs)]
+
+
+@rule("shard_map")
+def _shard_map(eqn, ins, outs, ctx, state, index):
+  new_ins = [s if s is not None else S.from_partition_spec(p, len(_shape(v)), ctx.axis_sizes)
+             for s, p, v in zip(ins, eqn.params["in_specs"], eqn.invars)]
+  new_outs = [s if s is not None else S.from_partition_spec(p, len(_shape(v)), ctx.axis_sizes)
+              for s, p, v in zip(outs, eqn.params["out_specs"], eqn.outvars)]
+  return new_ins, new_outs
+
+
+@rule("dot_general")
+def _dot_general(eqn, ins, outs, ctx, state, index):
+  if outs[0] is not None or ins[0] is None or ins[1] is None:
+    return ins, outs
+  dn = eqn.params["dimension_numbers"]
+  natural = matching.natural_output_spec(dn, ins[0], ins[1])
+  if natural is not None:
+    return ins, [natural]
+  found = matching.classify(dn, _shape(eqn.invars[0]), _shape(eqn.invars[1]), ins[0], ins[1],
+                            ctx.axis_sizes)
+  # OS has one output layout; LS vs RS waits for a consumer to say which it wants
+  # (the backward sweep), so only fill it in when the choice is forced.
+  if len(found.matches) == 1:
+    return ins, [found.matches[0].out_spec]
+  return ins, outs
+
+
+# ---------------------------------------------------------- higher-order rules
+
+def _child(state, key, jaxpr, in_specs, out_specs, ctx):
+  """(Re-)analyse a sub-jaxpr when its boundary specs changed."""
+  boundary = (tuple(in_specs), tuple(out_specs))
+  previous = state.children.get(key)
+  if previous is not None and previous.boundary == boundary:
+    return previous
+  child = _analyze(jaxpr, in_specs, out_specs, ctx, previous)
+  child.boundary = boundary
+  state.children[key] = child
+  return child
+
+
+def _read(child, variables):
+  return [child.specs.get(v) if not isinstance(v, Literal) else None for v in variables]
+
+
+def _call_like(param):
+  def call_rule(eqn, ins, outs, ctx, state, index):
+    sub = eqn.params[param]
+    jaxpr = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+    in_specs, out_specs = list(ins), list(outs)
+    if eqn.primitive.name == "jit":
+      in_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
+                  for s, sh, v in zip(in_specs, eqn.params["in_shardings"], eqn.invars)]
+      out_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
+                   for s, sh, v in zip(out_specs, eqn.params["out_shardings"], eqn.outvars)]
+    child = _child(state, (index, param, 0), jaxpr, in_specs, out_specs, ctx)
+    return _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
+  return call_rule
+
+
+rule("jit")(_call_like("jaxpr"))
+rule("remat2", "checkpoint")(_call_like("jaxpr"))
+rule("custom_jvp_call", "custom_vjp_call")(_call_like("call_jaxpr"))
+
+
+def _unstack(spec):
+  return None if spec is None else spec[1:]
+
+
+def _stack(spec):
+  return None if spec is None else ((),) + tuple(spec)
+
+
+@rule("scan")
+def _scan(eqn, ins, outs, ctx, state, index):
+  p = eqn.params
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  jaxpr = p["jaxpr"].jaxpr
+  consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+  carry_out, ys = outs[:ncarry], outs[ncarry:]
+  carry = [a if a is not None else b for a, b in zip(init, carry_out)]
+  child = _child(state, (index, "jaxpr", 0), jaxpr,
+                 consts + carry + [_unstack(s) for s in xs],
+                 carry + [_unstack(s) for s in ys], ctx)
+  body_in, body_out = _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
+  b_consts, b_carry, b_xs = body_in[:nc], body_in[nc:nc + ncarry], body_in[nc + ncarry:]
+  carry = [a if a is not None else b for a, b in zip(carry, b_carry)]
+  new_ins = b_consts + carry + [_stack(s) for s in b_xs]
+  new_outs = carry + [_stack(s) for s in body_out[ncarry:]]
+  return new_ins, new_outs
+
+
+@rule("while")
+def _while(eqn, ins, outs, ctx, state, index):
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+  carry = [a if a is not None else b for a, b in zip(init, outs)]
+  body = p["body_jaxpr"].jaxpr
+  child = _child(state, (index, "body_jaxpr", 0), body, body_consts + carry, carry, ctx)
+  b_in = _read(child, body.invars)
+  carry = [a if a is not None else b for a, b in zip(carry, b_in[bn:])]
+  cond = p["cond_jaxpr"].jaxpr
+  _child(state, (index, "cond_jaxpr", 0), cond, cond_consts + carry, [None], ctx)
+  return cond_consts + b_in[:bn] + carry, carry
+
+
+@rule("cond")
+def _cond(eqn, ins, outs, ctx, state, index):
+  operands = ins[1:]
+  new_operands, new_outs = list(operands), list(outs)
+  for b, branch in enumerate(eqn.params["branches"]):
+    child = _child(state, (index, "branches", b), branch.jaxpr, operands, outs, ctx)
+    b_in, b_out = _read(child, branch.jaxpr.invars), _read(child, branch.jaxpr.outvars)
+    new_operands = [a if a is not None else c for a, c in zip(new_operands, b_in)]
+    new_outs = [a if a is not None else c for a, c in zip(new_outs, b_out)]
+  return [ins[0]] + new_operands, new_outs
+
+
+def sub_jaxprs(eqn):
+  """(key, jaxpr) pairs of the sub-jaxprs the analysis and the emitter recurse into."""
+  name = eqn.primitive.name
+  if name in ("jit", "remat2", "checkpoint"):
+    sub = eqn.params["jaxpr"]
+    return [(("jaxpr", 0), sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)]
+  if name in ("custom_jvp_call", "custom_vjp_call"):
+    return [(("call_jaxpr", 0), eqn.params["call_jaxpr"].jaxpr)]
+  if name == "scan":
+    return [(("jaxpr", 0), eqn.params["jaxpr"].jaxpr)]
+  if name == "while":
+    return [(("body_jaxpr", 0), eqn.params["body_jaxpr"].jaxpr),
+            (("cond_jaxpr", 0), eqn.params["cond_jaxpr"].jaxpr)]
+  if name == "cond":
+    return [(("branches", b), br.jaxpr) for b, br in enumerate(eqn.params["branches"])]
+  return []

@@ -1,0 +1,163 @@
+"""Emission: an interpreter that re-binds every equation of the traced program, replacing
+planned dot_generals with shard_map calls built from `meshslice.rewrites`.
+
+Sub-jaxprs that contain a rewritten site (jit, scan, while, cond, remat, custom_jvp/vjp
+bodies) are re-traced through the same interpreter and the higher-order primitive is
+re-bound with the new body; sub-jaxprs without sites are re-bound untouched. Existing
+shard_maps are left as they are.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+
+from meshslice.rewrites import build_body
+
+from . import specs as S
+from ._jax_internals import ClosedJaxpr, Literal, hoist_consts, rebind_context, retrace
+
+_HANDLERS = {}
+
+
+def handler(*names):
+  def register(fn):
+    for n in names:
+      _HANDLERS[n] = fn
+    return fn
+  return register
+
+
+class Emitter:
+  """Evaluates a traced program with the planned sites rewritten."""
+
+  def __init__(self, sites, mesh):
+    self.mesh = mesh
+    self.plans = {s.path: s for s in sites if s.rewritten}
+    # every path prefix that leads to a rewritten site: only those sub-jaxprs are re-traced
+    self.live = {p[:k] for p in self.plans for k in range(1, len(p))}
+
+  def run(self, closed: ClosedJaxpr, *args):
+    return self.eval(closed.jaxpr, closed.consts, args, ())
+
+  def eval(self, jaxpr, consts, args, prefix):
+    env = {}
+
+    def read(v):
+      return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    for i, eqn in enumerate(jaxpr.eqns):
+      invals = [read(v) for v in eqn.invars]
+      path = prefix + (i,)
+      with rebind_context(eqn), eqn.ctx.manager:
+        if path in self.plans:
+          outs = [self.rewrite(self.plans[path], eqn, *invals)]
+        elif any(prefix + ((i, p, b),) in self.live or prefix + ((i, p, b),) in self.plans
+                 for p, b in _keys(eqn)):
+          outs = _HANDLERS[eqn.primitive.name](self, eqn, invals, prefix + (i,))
+        else:
+          outs = _bind(eqn, invals, eqn.params)
+      for v, x in zip(eqn.outvars, outs):
+        env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+  def rewrite(self, site, eqn, lhs, rhs):
+    lhs_spec, rhs_spec, out_spec = site.specs
+    body = build_body(site.algorithm, site.geometry, site.ksplit)
+    out = jax.shard_map(body, mesh=self.mesh,
+                        in_specs=(S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)),
+                        out_specs=S.to_partition_spec(out_spec))(lhs, rhs)
+    # Explicit mode: the rest of the program was typed with the original result layout.
+    want = getattr(eqn.outvars[0].aval, "sharding", None)
+    if (isinstance(want, NamedSharding) or hasattr(want, "spec")) and _is_explicit(want):
+      if jax.typeof(out).sharding.spec != want.spec:
+        out = jax.sharding.reshard(out, want.spec)
+    return out
+
+  def subjaxpr(self, closed_or_open, prefix_key):
+    """Re-trace a sub-jaxpr through this interpreter; returns a ClosedJaxpr."""
+    if isinstance(closed_or_open, ClosedJaxpr):
+      jaxpr, consts = closed_or_open.jaxpr, closed_or_open.consts
+    else:
+      jaxpr, consts = closed_or_open, ()
+    fun = lambda *a: self.eval(jaxpr, consts, a, prefix_key)
+    return retrace(fun, [v.aval for v in jaxpr.invars], jaxpr.debug_info)
+
+
+def _is_explicit(sharding):
+  mesh = getattr(sharding, "mesh", None)
+  return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _keys(eqn):
+  name = eqn.primitive.name
+  if name in ("jit", "remat2", "checkpoint", "scan"):
+    return [("jaxpr", 0)]
+  if name in ("custom_jvp_call", "custom_vjp_call"):
+    return [("call_jaxpr", 0)]
+  if name == "while":
+    return [("body_jaxpr", 0), ("cond_jaxpr", 0)]
+  if name == "cond":
+    return [("branches", b) for b in range(len(eqn.params["branches"]))]
+  return []
+
+
+def _bind(eqn, invals, params):
+  bind_params = dict(eqn.primitive.get_bind_params(params))
+  subfuns = bind_params.pop("subfuns", ())
+  outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+@handler("jit")
+def _jit(em, eqn, invals, path):
+  new = em.subjaxpr(eqn.params["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
+  return _bind(eqn, invals, dict(eqn.params, jaxpr=new))
+
+
+@handler("custom_jvp_call", "custom_vjp_call")
+def _custom_call(em, eqn, invals, path):
+  new = em.subjaxpr(eqn.params["call_jaxpr"], path[:-1] + ((path[-1], "call_jaxpr", 0),))
+  return _bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+
+
+@handler("cond")
+def _cond(em, eqn, invals, path):
+  branches = tuple(em.subjaxpr(br, path[:-1] + ((path[-1], "branches", b),))
+                   for b, br in enumerate(eqn.params["branches"]))
+  return _bind(eqn, invals, dict(eqn.params, branches=branches))
+
+
+@handler("remat2", "checkpoint")
+def _remat(em, eqn, invals, path):
+  new = em.subjaxpr(eqn.params["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
+  jaxpr, consts = hoist_consts(new)
+  return _bind(eqn, consts + list(invals), dict(eqn.params, jaxpr=jaxpr))
+
+
+@handler("scan")
+def _scan(em, eqn, invals, path):
+  p = eqn.params
+  new = em.subjaxpr(p["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
+  jaxpr, consts = hoist_consts(new)
+  params = dict(p, jaxpr=ClosedJaxpr(jaxpr, ()), num_consts=p["num_consts"] + len(consts),
+                linear=(False,) * len(consts) + tuple(p["linear"]))
+  return _bind(eqn, consts + list(invals), params)
+
+
+@handler("while")
+def _while(em, eqn, invals, path):
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  body, body_consts = hoist_consts(
+      em.subjaxpr(p["body_jaxpr"], path[:-1] + ((path[-1], "body_jaxpr", 0),)))
+  cond, cond_consts = hoist_consts(
+      em.subjaxpr(p["cond_jaxpr"], path[:-1] + ((path[-1], "cond_jaxpr", 0),)))
+  operands = (cond_consts + list(invals[:cn]) + body_consts + list(invals[cn:cn + bn])
+              + list(invals[cn + bn:]))
+  params = dict(p, body_jaxpr=ClosedJaxpr(body, ()), cond_jaxpr=ClosedJaxpr(cond, ()),
+                cond_nconsts=cn + len(cond_consts), body_nconsts=bn + len(body_consts))
+  return _bind(eqn, operands, params)

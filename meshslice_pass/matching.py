@@ -1,0 +1,190 @@
+"""Matching: is a dot_general a 2D-sharded site, and which dataflows can serve it?
+
+Write the site as Y[M, N] = X[M, K] . W[K, N] where M, K, N are the groups of lhs free,
+contracting and rhs free dims (batch dims ride along). Each mesh axis that shards an
+operand is classified by where it appears:
+
+  lhs M and rhs K   -> the row axis r of OS      lhs K and rhs N  -> the column axis c of OS
+  lhs M and rhs N   -> the "cross" axis of LS/RS (must move: it cannot split Y twice)
+  lhs K and rhs K (same contracting pair)   -> LS/RS's scatter axis, or an extra reduction
+  only lhs M, only rhs N, or a batch dim    -> passes through (no communication)
+
+OS needs exactly one r and one c on the same contracting pair. LS and RS need one cross
+axis a and a contracting axis b; LS outputs (M:a, N:b), RS outputs (M:b, N:a), so the
+output layout the program wants decides between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import specs as S
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Match:
+  """One way to serve a site: a dataflow and where it communicates."""
+  dataflow: str
+  row_axis: str
+  col_axis: str
+  lhs_dim: int | None
+  rhs_dim: int | None
+  out_dim: int | None
+  global_extent: int
+  reduce_axes: tuple
+  out_spec: tuple
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Classification:
+  """All dataflows that can serve a dot_general (empty `matches` means: left alone)."""
+  matches: tuple = ()
+  reason: str = ""
+
+
+def _groups(dimension_numbers, lhs_ndim, rhs_ndim):
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
+  rf = [d for d in range(rhs_ndim) if d not in rc and d not in rb]
+  return list(lc), list(rc), list(lb), list(rb), lf, rf
+
+
+def natural_output_spec(dimension_numbers, lhs_spec, rhs_spec):
+  """Output spec of a dot_general that needs no communication, or None if it does."""
+  lc, rc, lb, rb, lf, rf = _groups(dimension_numbers, len(lhs_spec), len(rhs_spec))
+  if any(lhs_spec[a] != rhs_spec[b] for a, b in zip(lc, rc)):
+    return None
+  if any(lhs_spec[a] != rhs_spec[b] for a, b in zip(lb, rb)):
+    return None
+  out = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in lf] + [rhs_spec[d] for d in rf]
+  flat = [a for e in out for a in e]
+  if len(flat) != len(set(flat)):
+    return None
+  return tuple(out)
+
+
+def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
+             axis_sizes: dict) -> Classification:
+  """Every dataflow (os/ls/rs) that serves this dot_general, or why none does."""
+  if lhs_spec is None or rhs_spec is None:
+    return Classification(reason="operand sharding unknown (no in_shardings, constraint or "
+                                 "explicit-mode type reaches this matmul)")
+  lc, rc, lb, rb, lf, rf = _groups(dimension_numbers, len(lhs_shape), len(rhs_shape))
+  nbatch = len(lb)
+  for a, b in zip(lb, rb):
+    if lhs_spec[a] != rhs_spec[b]:
+      return Classification(reason=f"batch dims sharded differently: lhs {S.describe(lhs_spec)}"
+                                   f", rhs {S.describe(rhs_spec)}")
+  batch_axes = {ax for d in lb for ax in lhs_spec[d]}
+  where = {}   # axis -> list of (operand, group, dim)
+  for operand, spec, groups in (("lhs", lhs_spec, (("M", lf), ("K", lc))),
+                                ("rhs", rhs_spec, (("N", rf), ("K", rc)))):
+    for group, dims in groups:
+      for d in dims:
+        if len(spec[d]) > 1:
+          return Classification(reason=f"{operand} dim {d} is split over several axes "
+                                       f"{spec[d]}; only one axis per matmul dim is handled")
+        for ax in spec[d]:
+          where.setdefault(ax, []).append((operand, group, d))
+  if not where:
+    return Classification(reason="no mesh axis shards a non-batch dim (nothing to "
+                                 "communicate)" if batch_axes else
+                                 "unsharded: no mesh axis splits either operand")
+
+  def kpos(operand, d):
+    return (lc if operand == "lhs" else rc).index(d)
+
+  os_row, os_col, cross, shared_k, passthrough = [], [], [], [], []
+  for ax in sorted(where, key=lambda a: list(axis_sizes).index(a)):
+    sig = sorted((o, g) for o, g, _ in where[ax])
+    dims = {(o, g): d for o, g, d in where[ax]}
+    if sig == [("lhs", "M"), ("rhs", "K")]:
+      os_row.append((ax, dims[("rhs", "K")]))
+    elif sig == [("lhs", "K"), ("rhs", "N")]:
+      os_col.append((ax, dims[("lhs", "K")]))
+    elif sig == [("lhs", "M"), ("rhs", "N")]:
+      cross.append((ax, dims[("lhs", "M")], dims[("rhs", "N")]))
+    elif sig == [("lhs", "K"), ("rhs", "K")]:
+      if kpos("lhs", dims[("lhs", "K")]) != kpos("rhs", dims[("rhs", "K")]):
+        return Classification(reason=f"axis {ax!r} splits different contracting dims of "
+                                     "lhs and rhs")
+      shared_k.append((ax, dims[("lhs", "K")], dims[("rhs", "K")]))
+    elif sig in ([("lhs", "M")], [("rhs", "N")]):
+      passthrough.append(ax)
+    else:
+      places = ", ".join(f"{o} {g}-dim {d}" for o, g, d in where[ax])
+      return Classification(reason=f"axis {ax!r} appears at {places}: not an OS/LS/RS "
+                                   "pattern (needs resharding GSPMD would insert)")
+
+  tp_axes = [a for a, *_ in os_row + os_col + cross]
+  if not tp_axes:
+    if len(shared_k) == 1 or passthrough:
+      involved = sorted({a for a, *_ in shared_k} | set(passthrough))
+      return Classification(reason=f"1D-sharded matmul: only axis {', '.join(involved)} is "
+                                   "involved; 2D rewriting needs two axes")
+    return Classification(reason="only contraction dims are split: a plain all-reduce")
+
+  def out_spec(m_override=None, n_override=None):
+    out = [lhs_spec[d] for d in lb]
+    for d in lf:
+      out.append(m_override[1] if m_override and m_override[0] == d else lhs_spec[d])
+    for d in rf:
+      out.append(n_override[1] if n_override and n_override[0] == d else rhs_spec[d])
+    return tuple(out)
+
+  def out_position(operand, d):
+    return nbatch + (lf.index(d) if operand == "lhs" else len(lf) + rf.index(d))
+
+  matches = []
+  if os_row or os_col:
+    if cross or len(os_row) != 1 or len(os_col) != 1:
+      return Classification(reason="mixed sharding: parts of the OS pattern without the "
+                                   "rest (each of r and c must split one dim of each operand)")
+    (r, rk), (c, lk) = os_row[0], os_col[0]
+    if kpos("lhs", lk) != kpos("rhs", rk):
+      return Classification(reason="OS pattern splits different contracting dims on lhs "
+                                   "and rhs")
+    matches.append(Match(dataflow="os", row_axis=r, col_axis=c, lhs_dim=lk, rhs_dim=rk,
+                         out_dim=None, global_extent=lhs_shape[lk],
+                         reduce_axes=tuple(a for a, *_ in shared_k), out_spec=out_spec()))
+  else:
+    if len(cross) != 1:
+      return Classification(reason=f"axes {[a for a, *_ in cross]} split both M and N; "
+                                   "at most one can move")
+    if not shared_k:
+      a = cross[0][0]
+      return Classification(reason=f"1D-sharded matmul: only axis {a!r} (on M and N) is "
+                                   "involved; 2D rewriting needs two axes")
+    a, m_dim, n_dim = cross[0]
+    # the contracting axis that scatters: the largest, ties broken by mesh order
+    b, _, _ = max(shared_k, key=lambda t: (axis_sizes[t[0]], -list(axis_sizes).index(t[0])))
+    reduce = tuple(x for x, *_ in shared_k if x != b)
+    matches.append(Match(dataflow="ls", row_axis=a, col_axis=b, lhs_dim=None, rhs_dim=n_dim,
+                         out_dim=out_position("rhs", n_dim), global_extent=rhs_shape[n_dim],
+                         reduce_axes=reduce, out_spec=out_spec(n_override=(n_dim, (b,)))))
+    matches.append(Match(dataflow="rs", row_axis=b, col_axis=a, lhs_dim=m_dim, rhs_dim=None,
+                         out_dim=out_position("lhs", m_dim), global_extent=lhs_shape[m_dim],
+                         reduce_axes=reduce, out_spec=out_spec(m_override=(m_dim, (b,)))))
+  matches = [m for m in matches if len(S.axes_of(m.out_spec)) == len(set(S.axes_of(m.out_spec)))]
+  if not matches:
+    return Classification(reason="the output would need one mesh axis on two dims")
+  return Classification(matches=tuple(matches))
+
+
+def choose(classification: Classification, demanded_out_spec):
+  """The match whose output layout the program wants; the first one when unconstrained.
+
+  Returns (match or None, reason)."""
+  if not classification.matches:
+    return None, classification.reason
+  if demanded_out_spec is None:
+    return classification.matches[0], ""
+  for m in classification.matches:
+    if m.out_spec == demanded_out_spec:
+      return m, ""
+  if len(classification.matches) == 1:
+    # Auto mode: our output layout is valid; GSPMD reshards it if needed downstream.
+    return classification.matches[0], ""
+  # Neither LS nor RS produces the demanded layout: prefer the one closer to it.
+  def agreement(m):
+    return sum(a == b for a, b in zip(m.out_spec, demanded_out_spec))
+  return max(classification.matches, key=agreement), ""

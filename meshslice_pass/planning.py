@@ -1,0 +1,156 @@
+"""Planning: one `Site` per dot_general of the program, rewritten or left alone (with why).
+
+The plan is a pure function of (program, mesh shape, options): no timing, no host state,
+so every process of a multi-host job emits the same program.
+
+The ksplit rule (temporary, until the cost model chooses): among the S for which
+block-cyclic slicing is exact (S * lcm(R, C) divides the communicated extent), take the
+largest S <= max_ksplit whose block B = extent / (S * lcm(R, C)) has at least min_block
+elements; S = 1 when none does.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from meshslice.rewrites import GemmGeometry
+
+from . import analysis as A
+from . import matching
+from . import specs as S
+from ._jax_internals import name_stack, source_location
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Site:
+  """One dot_general the pass looked at, and what it decided.
+
+  `path` locates the equation: indices into nested jaxprs, e.g.
+  ((3, "jaxpr", 0), (12, "jaxpr", 0), 5) is eqn 5 of the body of eqn 12 of eqn 3.
+  """
+  index: int
+  path: tuple
+  source: str
+  context: str
+  direction: str
+  lhs_shape: tuple
+  rhs_shape: tuple
+  lhs_spec: str
+  rhs_spec: str
+  out_spec: str
+  dtype: str
+  rewritten: bool
+  algorithm: str | None = None
+  dataflow: str | None = None
+  ksplit: int | None = None
+  block: int | None = None
+  mesh_axes: tuple = ()
+  reason: str = ""
+  note: str = ""
+  geometry: GemmGeometry | None = dataclasses.field(default=None, repr=False, compare=False)
+  specs: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  @property
+  def label(self) -> str:
+    return f"site #{self.index} ({self.source or 'unknown source'})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  axis_sizes: dict
+  options: object
+
+
+def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
+  sites = []
+  _walk(closed.jaxpr, analysis, ctx, (), [], sites)
+  return tuple(sites)
+
+
+def _walk(jaxpr, analysis, ctx, prefix, context, sites):
+  for i, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name == "dot_general":
+      sites.append(_plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites)))
+      continue
+    for (param, branch), sub in A.sub_jaxprs(eqn):
+      child = analysis.children.get((i, param, branch)) if analysis else None
+      _walk(sub, child, ctx, prefix + ((i, param, branch),),
+            context + [eqn.primitive.name], sites)
+
+
+def _spec_of(analysis, v):
+  if analysis is None:
+    return None
+  if hasattr(v, "val"):
+    return S.replicated(len(getattr(v.aval, "shape", ())))
+  return analysis.specs.get(v)
+
+
+def _plan_site(eqn, analysis, ctx, path, context, index):
+  lhs, rhs = eqn.invars
+  out = eqn.outvars[0]
+  lhs_spec, rhs_spec, out_demand = (_spec_of(analysis, v) for v in (lhs, rhs, out))
+  stack = name_stack(eqn)
+  base = dict(
+      index=index, path=path, source=source_location(eqn),
+      context=" > ".join(context) or "top",
+      direction="backward" if "transpose" in stack else "forward",
+      lhs_shape=tuple(lhs.aval.shape), rhs_shape=tuple(rhs.aval.shape),
+      lhs_spec=S.describe(lhs_spec), rhs_spec=S.describe(rhs_spec),
+      out_spec=S.describe(out_demand), dtype=str(jnp.dtype(out.aval.dtype)))
+  if not ctx.axis_sizes or all(n == 1 for n in ctx.axis_sizes.values()):
+    return Site(rewritten=False, reason="no multi-device mesh: nothing is sharded", **base)
+  if not jnp.issubdtype(out.aval.dtype, jnp.floating):
+    return Site(rewritten=False, reason=f"{out.aval.dtype} matmul: only floating-point "
+                                        "matmuls are rewritten", **base)
+  found = matching.classify(eqn.params["dimension_numbers"], lhs.aval.shape, rhs.aval.shape,
+                            lhs_spec, rhs_spec, ctx.axis_sizes)
+  match, reason = matching.choose(found, out_demand)
+  if match is None:
+    return Site(rewritten=False, reason=reason, **base)
+  base["out_spec"] = S.describe(match.out_spec)
+  geometry = GemmGeometry(
+      dimension_numbers=eqn.params["dimension_numbers"], dataflow=match.dataflow,
+      row_axis=match.row_axis, col_axis=match.col_axis,
+      row_size=ctx.axis_sizes[match.row_axis], col_size=ctx.axis_sizes[match.col_axis],
+      lhs_dim=match.lhs_dim, rhs_dim=match.rhs_dim, out_dim=match.out_dim,
+      global_extent=match.global_extent, reduce_axes=match.reduce_axes,
+      precision=eqn.params.get("precision"),
+      preferred_element_type=eqn.params.get("preferred_element_type"),
+      out_dtype=out.aval.dtype)
+  decided = dict(dataflow=match.dataflow, mesh_axes=(match.row_axis, match.col_axis),
+                 geometry=geometry, specs=(lhs_spec, rhs_spec, match.out_spec))
+  if not geometry.valid_ksplits():
+    return Site(rewritten=False, reason=(
+        f"communicated extent {match.global_extent} is not divisible by lcm(R, C) = "
+        f"{geometry.lcm}"), **base, **decided)
+  opts = ctx.options
+  algorithm = opts.algorithm or "meshslice"
+  site = Site(rewritten=True, algorithm=algorithm, ksplit=1, block=geometry.block_size(1),
+              **base, **decided)
+  if algorithm == "collective":
+    return site
+  ksplit, note = _choose_ksplit(geometry, opts, site)
+  return dataclasses.replace(site, ksplit=ksplit, block=geometry.block_size(ksplit), note=note)
+
+
+def _choose_ksplit(geometry: GemmGeometry, opts, site: Site):
+  valid = geometry.valid_ksplits()
+  if opts.ksplit is not None:
+    if geometry.valid_ksplit(opts.ksplit):
+      return opts.ksplit, ""
+    if opts.strict:
+      raise ValueError(
+          f"ksplit={opts.ksplit} does not fit {site.label}, a {site.dataflow} matmul over "
+          f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "
+          f"divisible by ksplit * lcm(R, C) = {opts.ksplit * geometry.lcm}. Valid ksplit "
+          f"for this site: {', '.join(map(str, valid))}")
+    nearest = min(valid, key=lambda s: (abs(s - opts.ksplit), -s))
+    return nearest, (f"ksplit={opts.ksplit} does not divide extent "
+                     f"{geometry.global_extent} into ksplit*lcm(R,C) blocks; used {nearest}")
+  best = 1
+  for s in valid:
+    if s <= opts.max_ksplit and geometry.global_extent // (s * geometry.lcm) >= opts.min_block:
+      best = s
+  return best, ""

@@ -1,0 +1,57 @@
+"""The report of what the pass rewrote, how, and why not."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+  """Every dot_general the pass considered, in program order.
+
+  Example:
+    >>> report = meshslice.explain(step)(params, batch)      # doctest: +SKIP
+    >>> [s.dataflow for s in report.sites if s.rewritten]     # doctest: +SKIP
+    ['os', 'ls', 'rs']
+    >>> print(report)                                         # doctest: +SKIP
+  """
+
+  sites: tuple
+  mesh_shape: dict
+
+  @property
+  def rewritten(self) -> tuple:
+    return tuple(s for s in self.sites if s.rewritten)
+
+  @property
+  def left_alone(self) -> tuple:
+    return tuple(s for s in self.sites if not s.rewritten)
+
+  def __str__(self) -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items()) or "none"
+    head = (f"meshslice report: {len(self.rewritten)} of {len(self.sites)} matmuls "
+            f"rewritten (mesh {mesh})")
+    cols = ("#", "source", "dir", "where", "lhs", "rhs", "out", "plan", "reason / note")
+    rows = []
+    for s in self.sites:
+      if s.rewritten:
+        plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {s.mesh_axes[0]}x{s.mesh_axes[1]}"
+      else:
+        plan = "left alone"
+      rows.append((str(s.index), _short(s.source), s.direction[:3], s.context,
+                   f"{_shape(s.lhs_shape)} {s.lhs_spec}", f"{_shape(s.rhs_shape)} {s.rhs_spec}",
+                   s.out_spec, plan, s.reason or s.note))
+    widths = [max(len(c), *(len(r[k]) for r in rows)) if rows else len(c)
+              for k, c in enumerate(cols)]
+    fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
+    lines = [head, fmt(cols), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def _shape(shape) -> str:
+  return "[" + ",".join(map(str, shape)) + "]"
+
+
+def _short(source: str) -> str:
+  if "/" not in source:
+    return source
+  return source.rsplit("/", 1)[1]

@@ -1,0 +1,37 @@
+"""Shared helpers for the tests: meshes, tolerances, tree comparison."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+def mesh(shape, names=("x", "y"), explicit=False):
+  n = int(np.prod(shape))
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape),
+                       devices=jax.devices()[:n])
+
+
+def assert_trees_close(a, b, dtype=jnp.float32, scale=1.0):
+  tol = TOL[jnp.dtype(dtype)] * scale
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    x = np.asarray(jnp.asarray(x, jnp.float32))
+    y = np.asarray(jnp.asarray(y, jnp.float32))
+    np.testing.assert_allclose(x, y, rtol=tol, atol=tol * max(1.0, float(np.abs(y).max())))
+
+
+def collective_counts(hlo_text):
+  """Count collectives in compiled HLO text by kind."""
+  kinds = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0, "collective-permute": 0}
+  for line in hlo_text.splitlines():
+    if "=" not in line:
+      continue
+    rhs = line.split("=", 1)[1]
+    for k in kinds:
+      if f" {k}(" in rhs or f" {k}-start(" in rhs:
+        kinds[k] += 1
+  return kinds
