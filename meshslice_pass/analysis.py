@@ -102,37 +102,50 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
   for v in jaxpr.constvars:
     put(v, S.replicated(len(_shape(v))))
 
-  for _ in range(_MAX_SWEEPS):
-    changed = False
-    order = list(enumerate(jaxpr.eqns))
-    for index, eqn in order + order[::-1]:
-      ins = [get(v) for v in eqn.invars]
-      outs = [get(v) for v in eqn.outvars]
-      fn = _RULES.get(eqn.primitive.name, _elementwise_or_unknown)
-      new_ins, new_outs = fn(eqn, ins, outs, ctx, state, index)
-      for v, s in zip(eqn.invars, new_ins):
-        put(v, s)
-      for v, s in zip(eqn.outvars, new_outs):
-        put(v, s)
-    if not changed:
-      break
+  # Phase 1 pushes what the inputs say forward only, so facts from the program's inputs
+  # are settled before any guess flows backward from a replicated constant. Phase 2 then
+  # fills what is left in both directions (e.g. which layout a consumer wants).
+  order = list(enumerate(jaxpr.eqns))
+  for sweeps, forward_only in ((order, True), (order[::-1] + order, False)):
+    for _ in range(_MAX_SWEEPS):
+      changed = False
+      for index, eqn in sweeps:
+        ins = [get(v) for v in eqn.invars]
+        outs = [get(v) for v in eqn.outvars]
+        fn = _RULES.get(eqn.primitive.name, _elementwise_or_unknown)
+        new_ins, new_outs = fn(eqn, ins, outs, ctx, state, index)
+        if not forward_only:
+          for v, s in zip(eqn.invars, new_ins):
+            put(v, s)
+        for v, s in zip(eqn.outvars, new_outs):
+          put(v, s)
+      if not changed:
+        break
   return state
 
 
 # ---------------------------------------------------------------- generic rules
 
 def _elementwise_or_unknown(eqn, ins, outs, ctx, state, index):
-  """Same-shape operands and results share one layout (scalars broadcast)."""
-  shapes = [_shape(v) for v in eqn.invars] + [_shape(v) for v in eqn.outvars]
+  """Operands and results of one rank share one layout; size-1 dims (implicit
+  broadcasting) and rank-0 operands are never split."""
+  variables = list(eqn.invars) + list(eqn.outvars)
+  shapes = [_shape(v) for v in variables]
   full = max(shapes, key=len) if shapes else ()
-  if not all(s == full or s == () for s in shapes):
+  if not all(s == () or (len(s) == len(full) and all(a in (b, 1) for a, b in zip(s, full)))
+             for s in shapes):
     return ins, outs
-  merged = S.merge([s for s, v in zip(ins + outs, list(eqn.invars) + list(eqn.outvars))
-                    if _shape(v) == full])
-  pick = lambda v, s: s if s is not None else (merged if _shape(v) == full else
-                                                S.replicated(0) if _shape(v) == () else None)
-  return ([pick(v, s) for v, s in zip(eqn.invars, ins)],
-          [pick(v, s) for v, s in zip(eqn.outvars, outs)])
+
+  def fit(spec, shape):
+    if shape == ():
+      return S.replicated(0)
+    return tuple(e if n == m else () for e, n, m in zip(spec, shape, full))
+
+  merged = S.merge([s for s, shape in zip(ins + outs, shapes) if s is not None and shape])
+  if merged is None:
+    return ins, outs
+  specs = [s if s is not None else fit(merged, shape) for s, shape in zip(ins + outs, shapes)]
+  return specs[:len(ins)], specs[len(ins):]
 
 
 @rule("broadcast_in_dim")

@@ -144,7 +144,7 @@ def _scan(em, eqn, invals, path):
   new = em.subjaxpr(p["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
   jaxpr, consts = hoist_consts(new)
   params = dict(p, jaxpr=ClosedJaxpr(jaxpr, ()), num_consts=p["num_consts"] + len(consts),
-                linear=(False,) * len(consts) + tuple(p["linear"]))
+                **({"linear": (False,) * len(consts) + tuple(p["linear"])} if "linear" in p else {}))
   return _bind(eqn, consts + list(invals), params)
 
 

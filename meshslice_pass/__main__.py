@@ -1,0 +1,51 @@
+"""Command line: `python -m meshslice demo` and `python -m meshslice autotune ...`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _demo(argv) -> int:
+  parser = argparse.ArgumentParser(prog="python -m meshslice demo",
+                                   description="Transform a small GPT-style training step on "
+                                               "an emulated 8-device CPU mesh and check it.")
+  parser.add_argument("--mesh", default="2x4", help="mesh shape RxC, e.g. 2x4, 4x2, 2x2")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--explicit", action="store_true", help="use Explicit mesh axes")
+  args = parser.parse_args(argv)
+  try:
+    shape = tuple(int(v) for v in args.mesh.lower().split("x"))
+    assert len(shape) == 2 and all(v >= 1 for v in shape) and shape[0] * shape[1] <= 8
+  except (ValueError, AssertionError):
+    parser.error(f"--mesh must be RxC with R*C <= 8 (the emulated devices), got {args.mesh!r}")
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", 8)
+  from .demo import run_demo
+  err = run_demo(shape, args.dtype, args.explicit)
+  tolerance = 1e-3 if args.dtype == "float32" else 5e-2
+  if err > tolerance:
+    print(f"FAILED: transformed step differs by {err:.2e} > {tolerance}")
+    return 1
+  print(f"OK: transformed step matches the original within {tolerance}")
+  return 0
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  commands = {"demo": _demo}
+  try:
+    from .costmodel import cli as _cli  # noqa: F401  (present once the cost model lands)
+    commands["autotune"] = lambda a: _cli.main(["autotune"] + a)
+  except ImportError:
+    pass
+  if not argv or argv[0] not in commands:
+    print(f"usage: python -m meshslice {{{','.join(commands)}}} [options]", file=sys.stderr)
+    return 2
+  return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+  sys.exit(main())
