@@ -106,7 +106,9 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
   # are settled before any guess flows backward from a replicated constant. Phase 2 then
   # fills what is left in both directions (e.g. which layout a consumer wants).
   order = list(enumerate(jaxpr.eqns))
-  for sweeps, forward_only in ((order, True), (order[::-1] + order, False)):
+  phases = [(order, True), (order[::-1] + order, False)]
+  while phases:
+    sweeps, forward_only = phases.pop(0)
     for _ in range(_MAX_SWEEPS):
       changed = False
       for index, eqn in sweeps:
@@ -121,6 +123,20 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
           put(v, s)
       if not changed:
         break
+    if not phases:
+      # Phase 3: a matmul whose consumers never said which of LS/RS output layout they
+      # want gets the first (LS: M keeps the row axis, like the activations); then
+      # propagate again.
+      changed = False
+      for _, eqn in order:
+        if eqn.primitive.name == "dot_general" and get(eqn.outvars[0]) is None:
+          lhs, rhs = (get(v) for v in eqn.invars)
+          found = matching.classify(eqn.params["dimension_numbers"], _shape(eqn.invars[0]),
+                                    _shape(eqn.invars[1]), lhs, rhs, ctx.axis_sizes)
+          if found.matches:
+            put(eqn.outvars[0], found.matches[0].out_spec)
+      if changed:
+        phases.append((order[::-1] + order, False))
   return state
 
 

@@ -66,10 +66,19 @@ class Emitter:
 
   def rewrite(self, site, eqn, lhs, rhs):
     lhs_spec, rhs_spec, out_spec = site.specs
+    if site.swapped:
+      # planned as rhs . lhs, which is the transpose of the original result
+      (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+      nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
+      nr = rhs.ndim - len(lc) - len(lb)
+      lhs, rhs = rhs, lhs
     body = build_body(site.algorithm, site.geometry, site.ksplit)
     out = jax.shard_map(body, mesh=self.mesh,
                         in_specs=(S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)),
                         out_specs=S.to_partition_spec(out_spec))(lhs, rhs)
+    if site.swapped:
+      out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
+                              + tuple(range(nb, nb + nr)))
     # Explicit mode: the rest of the program was typed with the original result layout.
     want = getattr(eqn.outvars[0].aval, "sharding", None)
     if (isinstance(want, NamedSharding) or hasattr(want, "spec")) and _is_explicit(want):

@@ -48,6 +48,7 @@ class Site:
   mesh_axes: tuple = ()
   reason: str = ""
   note: str = ""
+  swapped: bool = False
   geometry: GemmGeometry | None = dataclasses.field(default=None, repr=False, compare=False)
   specs: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -69,9 +70,19 @@ def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
 
 
 def _walk(jaxpr, analysis, ctx, prefix, context, sites):
+  consumers = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if not hasattr(v, "val"):
+        consumers.setdefault(v, []).append(eqn)
+  for v in jaxpr.outvars:
+    if not hasattr(v, "val"):
+      consumers.setdefault(v, []).append(None)
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
-      sites.append(_plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites)))
+      transposed_by = _swapping_transpose(eqn, consumers.get(eqn.outvars[0], []))
+      sites.append(_plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites),
+                              transposed_by))
       continue
     for (param, branch), sub in A.sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
@@ -87,9 +98,44 @@ def _spec_of(analysis, v):
   return analysis.specs.get(v)
 
 
-def _plan_site(eqn, analysis, ctx, path, context, index):
+def _swapping_transpose(eqn, users):
+  """The transpose that is the only user of this dot_general's result, when it just
+  swaps the lhs-free and rhs-free dims (how JAX writes a weight gradient), else None."""
+  if len(users) != 1 or users[0] is None or users[0].primitive.name != "transpose":
+    return None
+  (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+  lhs, rhs = eqn.invars
+  nb, nl = len(lb), lhs.aval.ndim - len(lc) - len(lb)
+  nr = rhs.aval.ndim - len(lc) - len(lb)
+  swap = tuple(range(nb)) + tuple(range(nb + nl, nb + nl + nr)) + tuple(range(nb, nb + nl))
+  return users[0] if tuple(users[0].params["permutation"]) == swap else None
+
+
+def _swapped(dimension_numbers):
+  (lc, rc), (lb, rb) = dimension_numbers
+  return ((tuple(rc), tuple(lc)), (tuple(rb), tuple(lb)))
+
+
+def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None):
+  """Plan one dot_general. When its result is only ever used transposed (lhs-free and
+  rhs-free dims swapped), it is planned as the equal product with operands swapped, whose
+  result already has the consumer's layout: a weight gradient becomes the RS matmul of
+  DESIGN.md section 4 rather than an LS matmul followed by a transpose."""
+  if transposed_by is not None:
+    site = _plan_site(eqn, analysis, ctx, path, context, index)
+    swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by)
+    return swapped if swapped.rewritten or not site.rewritten else site
+  return _plan_operands(eqn, analysis, ctx, path, context, index)
+
+
+def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   lhs, rhs = eqn.invars
   out = eqn.outvars[0]
+  dimension_numbers = eqn.params["dimension_numbers"]
+  if swap is not None:
+    lhs, rhs = rhs, lhs
+    dimension_numbers = _swapped(dimension_numbers)
+    out = swap.outvars[0]
   lhs_spec, rhs_spec, out_demand = (_spec_of(analysis, v) for v in (lhs, rhs, out))
   stack = name_stack(eqn)
   base = dict(
@@ -98,20 +144,22 @@ def _plan_site(eqn, analysis, ctx, path, context, index):
       direction="backward" if "transpose" in stack else "forward",
       lhs_shape=tuple(lhs.aval.shape), rhs_shape=tuple(rhs.aval.shape),
       lhs_spec=S.describe(lhs_spec), rhs_spec=S.describe(rhs_spec),
-      out_spec=S.describe(out_demand), dtype=str(jnp.dtype(out.aval.dtype)))
+      out_spec=S.describe(out_demand), dtype=str(jnp.dtype(out.aval.dtype)),
+      swapped=swap is not None,
+      note="operands swapped: the result is only used transposed" if swap is not None else "")
   if not ctx.axis_sizes or all(n == 1 for n in ctx.axis_sizes.values()):
     return Site(rewritten=False, reason="no multi-device mesh: nothing is sharded", **base)
   if not jnp.issubdtype(out.aval.dtype, jnp.floating):
     return Site(rewritten=False, reason=f"{out.aval.dtype} matmul: only floating-point "
                                         "matmuls are rewritten", **base)
-  found = matching.classify(eqn.params["dimension_numbers"], lhs.aval.shape, rhs.aval.shape,
+  found = matching.classify(dimension_numbers, lhs.aval.shape, rhs.aval.shape,
                             lhs_spec, rhs_spec, ctx.axis_sizes)
   match, reason = matching.choose(found, out_demand)
   if match is None:
     return Site(rewritten=False, reason=reason, **base)
   base["out_spec"] = S.describe(match.out_spec)
   geometry = GemmGeometry(
-      dimension_numbers=eqn.params["dimension_numbers"], dataflow=match.dataflow,
+      dimension_numbers=dimension_numbers, dataflow=match.dataflow,
       row_axis=match.row_axis, col_axis=match.col_axis,
       row_size=ctx.axis_sizes[match.row_axis], col_size=ctx.axis_sizes[match.col_axis],
       lhs_dim=match.lhs_dim, rhs_dim=match.rhs_dim, out_dim=match.out_dim,
@@ -132,7 +180,8 @@ def _plan_site(eqn, analysis, ctx, path, context, index):
   if algorithm == "collective":
     return site
   ksplit, note = _choose_ksplit(geometry, opts, site)
-  return dataclasses.replace(site, ksplit=ksplit, block=geometry.block_size(ksplit), note=note)
+  return dataclasses.replace(site, ksplit=ksplit, block=geometry.block_size(ksplit),
+                             note="; ".join(n for n in (site.note, note) if n))
 
 
 def _choose_ksplit(geometry: GemmGeometry, opts, site: Site):

@@ -34,7 +34,7 @@ class Report:
     rows = []
     for s in self.sites:
       if s.rewritten:
-        plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {s.mesh_axes[0]}x{s.mesh_axes[1]}"
+        plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} r={s.mesh_axes[0]} c={s.mesh_axes[1]}"
       else:
         plan = "left alone"
       rows.append((str(s.index), _short(s.source), s.direction[:3], s.context,
