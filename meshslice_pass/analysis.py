@@ -151,6 +151,8 @@ def _elementwise_or_unknown(eqn, ins, outs, ctx, state, index):
   if not all(s == () or (len(s) == len(full) and all(a in (b, 1) for a, b in zip(s, full)))
              for s in shapes):
     return ins, outs
+  if full == ():
+    return [S.replicated(0)] * len(ins), [S.replicated(0)] * len(outs)
 
   def fit(spec, shape):
     if shape == ():
@@ -170,7 +172,8 @@ def _broadcast_in_dim(eqn, ins, outs, ctx, state, index):
   bdims = eqn.params["broadcast_dimensions"]
   in_shape, out_shape = _shape(operand), _shape(out_v)
   new_out = outs[0]
-  if new_out is None and ins[0] is not None:
+  # a broadcast scalar has no layout of its own: let its consumers decide
+  if new_out is None and ins[0] is not None and in_shape:
     entries = [()] * len(out_shape)
     for j, d in enumerate(bdims):
       if in_shape[j] == out_shape[d]:
@@ -295,9 +298,10 @@ def _concatenate(eqn, ins, outs, ctx, state, index):
   return [s if s is not None else merged for s in ins], [outs[0] or merged]
 
 
-@rule("sharding_constraint")
+@rule("sharding_constraint", "reshard")
 def _sharding_constraint(eqn, ins, outs, ctx, state, index):
-  spec = S.from_sharding(eqn.params["sharding"], len(_shape(eqn.outvars[0])), ctx.axis_sizes)
+  sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
+  spec = S.from_sharding(sharding, len(_shape(eqn.outvars[0])), ctx.axis_sizes)
   return [ins[0] if ins[0] is not None else spec], [spec]
 
 
@@ -319,11 +323,40 @@ def _shard_map(eqn, ins, outs, ctx, state, index):
   return new_ins, new_outs
 
 
+def _fill_operand(dimension_numbers, known_spec, out_spec, unknown_ndim, unknown_is_lhs):
+  """Layout for the unknown operand that needs no communication beyond the known
+  operand's: contracting and batch dims copy the known operand, free dims the result."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  mine_c, other_c = (lc, rc) if unknown_is_lhs else (rc, lc)
+  mine_b, other_b = (lb, rb) if unknown_is_lhs else (rb, lb)
+  entries = [()] * unknown_ndim
+  for a, b in zip(mine_c, other_c):
+    entries[a] = known_spec[b]
+  for a, b in zip(mine_b, other_b):
+    entries[a] = known_spec[b]
+  free = [d for d in range(unknown_ndim) if d not in mine_c and d not in mine_b]
+  if out_spec is not None:
+    offset = len(lb) + (0 if unknown_is_lhs else len(out_spec) - len(lb) - len(free))
+    for k, d in enumerate(free):
+      entries[d] = out_spec[offset + k]
+  used, result = set(), []
+  for e in entries:
+    result.append(() if set(e) & used else e)
+    used.update(e)
+  return tuple(result)
+
+
 @rule("dot_general")
 def _dot_general(eqn, ins, outs, ctx, state, index):
+  dn = eqn.params["dimension_numbers"]
+  if (ins[0] is None) != (ins[1] is None):
+    unknown_is_lhs = ins[0] is None
+    known = ins[1] if unknown_is_lhs else ins[0]
+    filled = _fill_operand(dn, known, outs[0], len(_shape(eqn.invars[0 if unknown_is_lhs else 1])),
+                           unknown_is_lhs)
+    return ([filled, ins[1]] if unknown_is_lhs else [ins[0], filled]), outs
   if outs[0] is not None or ins[0] is None or ins[1] is None:
     return ins, outs
-  dn = eqn.params["dimension_numbers"]
   natural = matching.natural_output_spec(dn, ins[0], ins[1])
   if natural is not None:
     return ins, [natural]
