@@ -87,7 +87,7 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
     for (param, branch), sub in A.sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
-            context + [eqn.primitive.name], sites)
+            context + [(eqn.primitive.name, "transpose" in name_stack(eqn))], sites)
 
 
 def _spec_of(analysis, v):
@@ -140,8 +140,8 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   stack = name_stack(eqn)
   base = dict(
       index=index, path=path, source=source_location(eqn),
-      context=" > ".join(context) or "top",
-      direction="backward" if "transpose" in stack else "forward",
+      context=" > ".join(name for name, _ in context) or "top",
+      direction="backward" if "transpose" in stack or any(t for _, t in context) else "forward",
       lhs_shape=tuple(lhs.aval.shape), rhs_shape=tuple(rhs.aval.shape),
       lhs_spec=S.describe(lhs_spec), rhs_spec=S.describe(rhs_spec),
       out_spec=S.describe(out_demand), dtype=str(jnp.dtype(out.aval.dtype)),
