@@ -1,0 +1,70 @@
+"""Figures read off compiled HLO text: collectives by kind, and bytes each device moves.
+
+Bytes moved per device assume ring algorithms over a group of n devices:
+all-gather result * (n-1)/n, reduce-scatter operand * (n-1)/n, all-reduce 2 * operand *
+(n-1)/n, all-to-all operand * (n-1)/n, collective-permute operand. These are the
+communication volumes of DESIGN.md section 5, for comparing programs, not a timing.
+
+Example:
+  >>> text = jax.jit(f).lower(x).compile().as_text()      # doctest: +SKIP
+  >>> collective_stats(text)["bytes"]                       # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+             "f8e4m3fn": 1, "f8e5m2": 1}
+_TYPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start)?\((.*)$")
+
+
+def _bytes_of(types_text: str) -> list:
+  out = []
+  for dtype, dims in _TYPE.findall(types_text):
+    if dtype in _ITEMSIZE:
+      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+      out.append(n * _ITEMSIZE[dtype])
+  return out
+
+
+def _group_size(line: str) -> int:
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+  if iota:
+    return int(iota.group(2))
+  explicit = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+  if explicit:
+    return len([v for v in explicit.group(1).split(",") if v])
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", line)
+  if pairs:
+    return 2
+  return 1
+
+
+def collective_stats(hlo_text: str) -> dict:
+  """{'count': {kind: n}, 'bytes': {kind: bytes}, 'total_bytes': float} per device."""
+  count = {k: 0 for k in KINDS}
+  moved = {k: 0.0 for k in KINDS}
+  for line in hlo_text.splitlines():
+    m = _OP.search(line)
+    if not m:
+      continue
+    result_types, kind, _, rest = m.groups()
+    operand_text = rest.split(")", 1)[0]
+    results, operands = _bytes_of(result_types), _bytes_of(operand_text)
+    n = _group_size(line)
+    share = (n - 1) / n if n > 1 else 0.0
+    count[kind] += 1
+    if kind == "all-gather":
+      moved[kind] += (results[-1] if results else 0) * share
+    elif kind == "reduce-scatter" or kind == "all-to-all":
+      moved[kind] += sum(operands) * share
+    elif kind == "all-reduce":
+      moved[kind] += 2 * sum(operands) * share
+    else:
+      moved[kind] += sum(operands)
+  return {"count": count, "bytes": moved, "total_bytes": float(sum(moved.values()))}
