@@ -32,6 +32,7 @@ class Emitter:
 
   def __init__(self, sites, mesh):
     self.mesh = mesh
+    self._mapped = {}
     self.plans = {s.path: s for s in sites if s.rewritten}
     # every path prefix that leads to a rewritten site: only those sub-jaxprs are re-traced
     self.live = {p[:k] for p in self.plans for k in range(1, len(p))}
@@ -72,10 +73,17 @@ class Emitter:
       nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
       nr = rhs.ndim - len(lc) - len(lb)
       lhs, rhs = rhs, lhs
-    body = build_body(site.algorithm, site.geometry, site.ksplit)
-    out = jax.shard_map(body, mesh=self.mesh,
-                        in_specs=(S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)),
-                        out_specs=S.to_partition_spec(out_spec))(lhs, rhs)
+    # one shard_map callable per distinct site plan, so JAX's trace caches can hit
+    key = (site.algorithm, site.geometry, site.ksplit, site.specs)
+    mapped = self._mapped.get(key)
+    if mapped is None:
+      body = build_body(site.algorithm, site.geometry, site.ksplit)
+      mapped = jax.shard_map(
+          body, mesh=self.mesh,
+          in_specs=(S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)),
+          out_specs=S.to_partition_spec(out_spec))
+      self._mapped[key] = mapped
+    out = mapped(lhs, rhs)
     if site.swapped:
       out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
                               + tuple(range(nb, nb + nr)))

@@ -1,8 +1,9 @@
 """Figures read off compiled HLO text: collectives by kind, and bytes each device moves.
 
-Bytes moved per device assume ring algorithms over a group of n devices:
-all-gather result * (n-1)/n, reduce-scatter operand * (n-1)/n, all-reduce 2 * operand *
-(n-1)/n, all-to-all operand * (n-1)/n, collective-permute operand. These are the
+Bytes moved per device assume ring algorithms over a group of n devices, from the
+result shape (compiled HLO text does not always type the operands): all-gather
+result * (n-1)/n, reduce-scatter result * (n-1) (its operand is n results), all-reduce
+2 * result * (n-1)/n, all-to-all result * (n-1)/n, collective-permute result. These are the
 communication volumes of DESIGN.md section 5, for comparing programs, not a timing.
 
 Example:
@@ -33,6 +34,10 @@ def _bytes_of(types_text: str) -> list:
 
 
 def _group_size(line: str) -> int:
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if mesh:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2))]))
   iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
   if iota:
     return int(iota.group(2))
@@ -53,18 +58,19 @@ def collective_stats(hlo_text: str) -> dict:
     m = _OP.search(line)
     if not m:
       continue
-    result_types, kind, _, rest = m.groups()
-    operand_text = rest.split(")", 1)[0]
-    results, operands = _bytes_of(result_types), _bytes_of(operand_text)
+    result_types, kind, _, _ = m.groups()
+    results = _bytes_of(result_types)
+    result = results[-1] if results else 0     # async *-start results end with the output
     n = _group_size(line)
-    share = (n - 1) / n if n > 1 else 0.0
     count[kind] += 1
-    if kind == "all-gather":
-      moved[kind] += (results[-1] if results else 0) * share
-    elif kind == "reduce-scatter" or kind == "all-to-all":
-      moved[kind] += sum(operands) * share
+    if n <= 1:
+      continue
+    if kind in ("all-gather", "all-to-all"):
+      moved[kind] += result * (n - 1) / n
+    elif kind == "reduce-scatter":
+      moved[kind] += result * (n - 1)
     elif kind == "all-reduce":
-      moved[kind] += 2 * sum(operands) * share
+      moved[kind] += 2 * result * (n - 1) / n
     else:
-      moved[kind] += sum(operands)
+      moved[kind] += result
   return {"count": count, "bytes": moved, "total_bytes": float(sum(moved.values()))}
