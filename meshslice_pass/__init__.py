@@ -4,9 +4,10 @@
     print(meshslice.explain(step)(*args))          # what was rewritten, how, and why not
 """
 from .options import Options
+from .plan import Plan
 from .planning import Site
 from .report import Report
 from .transform import Transformed, explain, transform
 
-__all__ = ["Options", "Report", "Site", "Transformed", "explain", "transform"]
+__all__ = ["Options", "Plan", "Report", "Site", "Transformed", "explain", "transform"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from meshslice import rewrites
 from meshslice.rewrites import GemmGeometry
 
 from . import analysis as A
@@ -152,8 +153,18 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   if not jnp.issubdtype(out.aval.dtype, jnp.floating):
     return Site(rewritten=False, reason=f"{out.aval.dtype} matmul: only floating-point "
                                         "matmuls are rewritten", **base)
+  request = ctx.options.request_for(index=index, source=base["source"], path=path)
+  if request.rewrite is False:
+    return Site(rewritten=False, reason="left alone as requested (override or plan)", **base)
   found = matching.classify(dimension_numbers, lhs.aval.shape, rhs.aval.shape,
                             lhs_spec, rhs_spec, ctx.axis_sizes)
+  if request.dataflow is not None and found.matches:
+    wanted = [m for m in found.matches if m.dataflow == request.dataflow]
+    if not wanted:
+      raise ValueError(
+          f"dataflow={request.dataflow!r} cannot serve site #{index} ({base['source']}): its "
+          f"operand layouts allow {', '.join(m.dataflow for m in found.matches)}")
+    found = dataclasses.replace(found, matches=tuple(wanted))
   match, reason = matching.choose(found, out_demand)
   if match is None:
     return Site(rewritten=False, reason=reason, **base)
@@ -173,30 +184,44 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
     return Site(rewritten=False, reason=(
         f"communicated extent {match.global_extent} is not divisible by lcm(R, C) = "
         f"{geometry.lcm}"), **base, **decided)
-  opts = ctx.options
-  algorithm = opts.algorithm or "meshslice"
-  site = Site(rewritten=True, algorithm=algorithm, ksplit=1, block=geometry.block_size(1),
+  site = Site(rewritten=True, algorithm="meshslice", ksplit=1, block=geometry.block_size(1),
               **base, **decided)
+  algorithm, note = _choose_algorithm(geometry, request, site)
+  site = dataclasses.replace(site, algorithm=algorithm, note=_join(site.note, note))
   if algorithm == "collective":
     return site
-  ksplit, note = _choose_ksplit(geometry, opts, site)
+  ksplit, note = _choose_ksplit(geometry, ctx.options, request, site)
   return dataclasses.replace(site, ksplit=ksplit, block=geometry.block_size(ksplit),
-                             note="; ".join(n for n in (site.note, note) if n))
+                             note=_join(site.note, note))
 
 
-def _choose_ksplit(geometry: GemmGeometry, opts, site: Site):
+def _join(*notes):
+  return "; ".join(n for n in notes if n)
+
+
+def _choose_algorithm(geometry, request, site):
+  algorithm = request.algorithm or "meshslice"
+  why_not = rewrites.supports(algorithm, geometry)
+  if not why_not:
+    return algorithm, ""
+  if request.strict:
+    raise ValueError(f"algorithm={algorithm!r} cannot serve {site.label}: {why_not}")
+  return "meshslice", f"{why_not}; used meshslice"
+
+
+def _choose_ksplit(geometry: GemmGeometry, opts, request, site: Site):
   valid = geometry.valid_ksplits()
-  if opts.ksplit is not None:
-    if geometry.valid_ksplit(opts.ksplit):
-      return opts.ksplit, ""
-    if opts.strict:
+  if request.ksplit is not None:
+    if geometry.valid_ksplit(request.ksplit):
+      return request.ksplit, ""
+    if request.strict:
       raise ValueError(
-          f"ksplit={opts.ksplit} does not fit {site.label}, a {site.dataflow} matmul over "
+          f"ksplit={request.ksplit} does not fit {site.label}, a {site.dataflow} matmul over "
           f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "
-          f"divisible by ksplit * lcm(R, C) = {opts.ksplit * geometry.lcm}. Valid ksplit "
+          f"divisible by ksplit * lcm(R, C) = {request.ksplit * geometry.lcm}. Valid ksplit "
           f"for this site: {', '.join(map(str, valid))}")
-    nearest = min(valid, key=lambda s: (abs(s - opts.ksplit), -s))
-    return nearest, (f"ksplit={opts.ksplit} does not divide extent "
+    nearest = min(valid, key=lambda s: (abs(s - request.ksplit), -s))
+    return nearest, (f"ksplit={request.ksplit} does not divide extent "
                      f"{geometry.global_extent} into ksplit*lcm(R,C) blocks; used {nearest}")
   best = 1
   for s in valid:

@@ -19,6 +19,12 @@ class Report:
   mesh_shape: dict
 
   @property
+  def plan(self):
+    """The decisions as a `meshslice.Plan` (save it, edit it, pass it back)."""
+    from .plan import Plan
+    return Plan.from_report(self)
+
+  @property
   def rewritten(self) -> tuple:
     return tuple(s for s in self.sites if s.rewritten)
 

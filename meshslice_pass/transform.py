@@ -84,6 +84,8 @@ class Transformed:
     analysis = A.analyze(closed, in_specs, out_specs, A.Context(axis_sizes=axis_sizes))
     sites = planning.plan_program(
         closed, analysis, planning.Context(axis_sizes=axis_sizes, options=self._options))
+    if self._options.plan is not None:
+      self._options.plan.check_matches(sites)
     report = Report(sites=sites, mesh_shape=axis_sizes)
     emitter = Emitter(sites, mesh)
 
@@ -194,8 +196,8 @@ def transform(fn: Callable, **options) -> Transformed:
   and static args are kept). The result is called like `fn`, lowers with `.lower(...)`,
   and computes the same values and gradients up to float reassociation.
 
-  Options: algorithm ("meshslice" | "collective"), ksplit (slices per site), max_ksplit,
-  min_block, strict (see `meshslice.Options`).
+  Options: algorithm, ksplit (slices per site), max_ksplit, min_block, strict,
+  overrides (pin single sites), plan (apply a saved plan); see `meshslice.Options`.
 
   Example:
     >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)

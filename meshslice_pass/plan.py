@@ -1,0 +1,129 @@
+"""Plans as data: what the pass decided per site, saved as JSON, edited, passed back.
+
+    plan = meshslice.explain(step)(*args).plan          # decide once
+    plan.save("plan.json")                               # review, commit, share
+    plan = meshslice.Plan.load("plan.json").edit(3, ksplit=2)
+    fast = meshslice.transform(step, plan=plan)          # apply exactly that plan
+
+The JSON is deterministic (sorted keys, fixed float formatting), so two processes that
+plan the same program produce byte-identical files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+_FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
+_OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
+             "ksplit": (int, type(None)), "rewrite": bool,
+             "predicted_seconds": (float, int, type(None)),
+             "baseline_seconds": (float, int, type(None))}
+VERSION = 1
+
+
+def _path_key(path) -> tuple:
+  return tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in path)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+  """Per-site decisions of one program on one mesh.
+
+  `sites` holds one dict per dot_general: index, path (position in the nested jaxpr),
+  source, rewritten, algorithm, dataflow, ksplit (and predictions when known).
+  """
+
+  mesh_shape: dict
+  sites: tuple
+
+  @classmethod
+  def from_report(cls, report) -> "Plan":
+    entries = []
+    for s in report.sites:
+      entry = {"index": s.index, "path": [list(p) if isinstance(p, tuple) else p
+                                          for p in s.path],
+               "source": s.source, "rewritten": s.rewritten, "algorithm": s.algorithm,
+               "dataflow": s.dataflow, "ksplit": s.ksplit}
+      for name in ("predicted_seconds", "baseline_seconds"):
+        value = getattr(s, name, None)
+        if value is not None:
+          entry[name] = float(value)
+      entries.append(entry)
+    return cls(mesh_shape=dict(report.mesh_shape), sites=tuple(entries))
+
+  # -- JSON
+  def to_json(self) -> str:
+    return json.dumps({"version": VERSION, "mesh_shape": self.mesh_shape,
+                       "sites": list(self.sites)}, sort_keys=True, indent=1)
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      f.write(self.to_json() + "\n")
+
+  @classmethod
+  def from_json(cls, text: str, where: str = "plan") -> "Plan":
+    try:
+      data = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+      raise ValueError(f"{where}: expected a JSON object with \"version\": {VERSION}")
+    if not isinstance(data.get("mesh_shape"), dict):
+      raise ValueError(f"{where}: field 'mesh_shape' must be an object {{axis: size}}")
+    sites = data.get("sites")
+    if not isinstance(sites, list):
+      raise ValueError(f"{where}: field 'sites' must be a list")
+    for k, entry in enumerate(sites):
+      if not isinstance(entry, dict):
+        raise ValueError(f"{where}: sites[{k}] must be an object")
+      for name, kind in _FIELDS.items():
+        if name not in entry:
+          raise ValueError(f"{where}: sites[{k}] is missing field {name!r}")
+        if not isinstance(entry[name], kind) or (kind is int and isinstance(entry[name], bool)):
+          raise ValueError(f"{where}: sites[{k}].{name} must be {kind.__name__}, got "
+                           f"{entry[name]!r}")
+      for name, kinds in _OPTIONAL.items():
+        if name in entry and not isinstance(entry[name], kinds):
+          raise ValueError(f"{where}: sites[{k}].{name} has the wrong type: {entry[name]!r}")
+    return cls(mesh_shape=data["mesh_shape"], sites=tuple(sites))
+
+  @classmethod
+  def load(cls, path: str) -> "Plan":
+    try:
+      with open(path) as f:
+        text = f.read()
+    except OSError as e:
+      raise ValueError(f"plan file {path!r} cannot be read: {e.strerror}") from None
+    return cls.from_json(text, where=f"plan file {path!r}")
+
+  # -- editing and applying
+  def edit(self, index: int, **pin) -> "Plan":
+    """A copy with site `index` pinned: algorithm=, dataflow=, ksplit=, rewrite=."""
+    from .options import _validate_pin
+    _validate_pin(f"Plan.edit(site {index})", pin)
+    if not any(e["index"] == index for e in self.sites):
+      raise ValueError(f"the plan has no site #{index} (it has {len(self.sites)} sites)")
+    sites = tuple(dict(e, **pin, edited=True) if e["index"] == index else e for e in self.sites)
+    return dataclasses.replace(self, sites=sites)
+
+  def pin_for(self, path) -> dict:
+    """What this plan fixes for the site at `path` ({} when nothing)."""
+    for entry in self.sites:
+      if _path_key(entry["path"]) == _path_key(path):
+        if entry.get("rewrite") is False:
+          return {"rewrite": False}
+        if not entry["rewritten"] and not entry.get("edited"):
+          return {}
+        return {k: entry[k] for k in ("algorithm", "dataflow", "ksplit") if entry.get(k)}
+    return {}
+
+  def check_matches(self, sites) -> None:
+    """Raise if this plan was made for another program."""
+    here = {_path_key(s.path): s for s in sites}
+    for entry in self.sites:
+      site = here.get(_path_key(entry["path"]))
+      if site is None or site.source != entry["source"]:
+        found = f"{site.source!r}" if site else "no matmul"
+        raise ValueError(f"plan does not match this program: site #{entry['index']} was a "
+                         f"matmul at {entry['source']!r}, this program has {found} there; "
+                         "re-plan with meshslice.explain(...).plan")

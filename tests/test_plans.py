@@ -1,0 +1,121 @@
+"""Plans as data (JSON round trip, editing, applying) and per-site overrides."""
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+
+from helpers import assert_trees_close, collective_counts, mesh
+
+
+def _mlp(x, w1, w2):
+  return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+
+def _program(shape=(2, 4)):
+  msh = mesh(shape)
+  s = NamedSharding(msh, P("x", "y"))
+  args = tuple(jax.device_put(jax.random.normal(jax.random.key(i), sh) / 8, s)
+               for i, sh in enumerate([(16, 64), (64, 128), (128, 64)]))
+  return jax.jit(jax.grad(_mlp, argnums=(1, 2)), in_shardings=(s, s, s)), args
+
+
+def test_plan_round_trips_and_applies(tmp_path):
+  f, args = _program()
+  report = meshslice.explain(f)(*args)
+  plan = report.plan
+  path = tmp_path / "plan.json"
+  plan.save(str(path))
+  loaded = meshslice.Plan.load(str(path))
+  assert loaded == plan and loaded.to_json() == plan.to_json()
+  edited = loaded.edit(0, ksplit=8).edit(3, algorithm="collective")
+  out = meshslice.explain(f, plan=edited)(*args)
+  assert out.sites[0].ksplit == 8
+  assert (out.sites[3].algorithm, out.sites[3].ksplit) == ("collective", 1)
+  assert [s.ksplit for s in out.sites[1:3]] == [s.ksplit for s in report.sites[1:3]]
+  assert_trees_close(meshslice.transform(f, plan=str(path))(*args), f(*args))
+  alone = meshslice.explain(f, plan=loaded.edit(1, rewrite=False))(*args)
+  assert alone.sites[1].reason == "left alone as requested (override or plan)"
+
+
+def test_malformed_and_mismatched_plans(tmp_path):
+  f, args = _program()
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match=r"plan file '.*bad.json' is not valid JSON"):
+    meshslice.transform(f, plan=str(bad))
+  data = json.loads(meshslice.explain(f)(*args).plan.to_json())
+  del data["sites"][2]["source"]
+  bad.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match=re.escape("sites[2] is missing field 'source'")):
+    meshslice.transform(f, plan=str(bad))
+  data["sites"][2]["source"] = "elsewhere.py:1"
+  bad.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match=re.escape(
+      "plan does not match this program: site #2 was a matmul at 'elsewhere.py:1'")):
+    meshslice.explain(f, plan=str(bad))(*args)
+  with pytest.raises(ValueError, match="plan must be a meshslice.Plan or the path"):
+    meshslice.transform(f, plan=3)
+
+
+def test_overrides_by_index_and_location():
+  f, args = _program()
+  line = _mlp.__code__.co_firstlineno + 1
+  report = meshslice.explain(f, overrides={0: {"ksplit": 2},
+                                           f"test_plans.py:{line}": {"algorithm": "collective"}})(*args)
+  assert all(s.algorithm == "collective" for s in report.sites)   # every site is on that line
+  report = meshslice.explain(f, overrides={0: {"ksplit": 2}, 4: {"rewrite": False}})(*args)
+  assert report.sites[0].ksplit == 2 and not report.sites[4].rewritten
+  with pytest.raises(ValueError, match=re.escape("ksplit=3 does not fit site #0")):
+    meshslice.explain(f, overrides={0: {"ksplit": 3}})(*args)
+  with pytest.raises(ValueError, match=re.escape(
+      "dataflow='ls' cannot serve site #0 (") + r".*\): its operand layouts allow os"):
+    meshslice.explain(f, overrides={0: {"dataflow": "ls"}})(*args)
+  with pytest.raises(ValueError, match=re.escape("overrides[0] has unknown key 'slices'")):
+    meshslice.transform(f, overrides={0: {"slices": 2}})
+
+
+def test_unservable_algorithm_falls_back_or_errors_when_pinned():
+  f, args = _program((2, 4))
+  report = meshslice.explain(f, algorithm="cannon")(*args)
+  assert {s.algorithm for s in report.rewritten} == {"meshslice"}
+  assert "square mesh" in report.sites[0].note and "used meshslice" in report.sites[0].note
+  with pytest.raises(ValueError, match=re.escape("algorithm='cannon' cannot serve site #0 (")):
+    meshslice.explain(f, overrides={0: {"algorithm": "cannon"}})(*args)
+
+
+def test_plans_are_identical_across_processes(tmp_path):
+  script = textwrap.dedent("""
+      import os, sys
+      os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+      import jax
+      jax.config.update("jax_platforms", "cpu")
+      import meshslice
+      from meshslice.demo import ModelConfig, make_mesh, make_step
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from meshslice.demo import param_specs, batch_specs, init_params, init_batch
+      cfg = ModelConfig(layers=1, batch=4, seq=16, hidden=64, heads=4, ffn=128)
+      mesh = make_mesh((2, 4))
+      abstract = lambda tree, specs: jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+          tree, specs)
+      shapes = lambda init: jax.eval_shape(lambda k: init(cfg, k), jax.random.key(0))
+      params = abstract(shapes(init_params), param_specs())
+      batch = abstract(shapes(init_batch), batch_specs())
+      sys.stdout.write(meshslice.explain(make_step(cfg, mesh))(params, batch).plan.to_json())
+  """)
+  outs = []
+  for seed in ("1", "2"):
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    outs.append(subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                               capture_output=True, text=True).stdout)
+  assert outs[0] == outs[1] and '"rewritten": true' in outs[0]
