@@ -5,6 +5,7 @@ these, this is the only file to change.
 """
 from __future__ import annotations
 
+from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util
@@ -25,6 +26,17 @@ def retrace(fun, in_avals, debug_info):
   jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
       _lu.wrap_init(fun, debug_info=debug_info), list(in_avals))
   return ClosedJaxpr(jaxpr, consts)
+
+
+def trace_once(fun, *args) -> ClosedJaxpr:
+  """Trace `fun` over the abstract values of `args` (tracers welcome)."""
+  avals = [_core.typeof(a) for a in args]
+  info = _api_util.debug_info("meshslice", fun, args, {})
+  return retrace(fun, avals, info)
+
+
+def eval_closed(closed: ClosedJaxpr, *args):
+  return _core.jaxpr_as_fun(closed)(*args)
 
 
 def hoist_consts(closed: ClosedJaxpr):

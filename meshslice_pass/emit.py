@@ -14,7 +14,8 @@ from jax.sharding import AxisType, NamedSharding
 from meshslice.rewrites import build_body
 
 from . import specs as S
-from ._jax_internals import ClosedJaxpr, Literal, hoist_consts, rebind_context, retrace
+from ._jax_internals import (ClosedJaxpr, Literal, eval_closed, hoist_consts, rebind_context,
+                             retrace, trace_once)
 
 _HANDLERS = {}
 
@@ -32,7 +33,7 @@ class Emitter:
 
   def __init__(self, sites, mesh):
     self.mesh = mesh
-    self._mapped = {}
+    self._traced = {}
     self.plans = {s.path: s for s in sites if s.rewritten}
     # every path prefix that leads to a rewritten site: only those sub-jaxprs are re-traced
     self.live = {p[:k] for p in self.plans for k in range(1, len(p))}
@@ -73,17 +74,19 @@ class Emitter:
       nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
       nr = rhs.ndim - len(lc) - len(lb)
       lhs, rhs = rhs, lhs
-    # one shard_map callable per distinct site plan, so JAX's trace caches can hit
-    key = (site.algorithm, site.geometry, site.ksplit, site.specs)
-    mapped = self._mapped.get(key)
-    if mapped is None:
+    # Sites with the same plan and operand types (Q/K/V projections, a checkpointed
+    # block's recomputation) share one traced shard_map: tracing is the pass's main cost.
+    key = (site.algorithm, site.geometry, site.ksplit, site.specs,
+           jax.typeof(lhs), jax.typeof(rhs))
+    traced = self._traced.get(key)
+    if traced is None:
       body = build_body(site.algorithm, site.geometry, site.ksplit)
       mapped = jax.shard_map(
           body, mesh=self.mesh,
           in_specs=(S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)),
           out_specs=S.to_partition_spec(out_spec))
-      self._mapped[key] = mapped
-    out = mapped(lhs, rhs)
+      traced = self._traced[key] = trace_once(lambda a, b: [mapped(a, b)], lhs, rhs)
+    out, = eval_closed(traced, lhs, rhs)
     if site.swapped:
       out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
                               + tuple(range(nb, nb + nr)))
