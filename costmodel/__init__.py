@@ -1,1 +1,36 @@
-"""Hardware profiles, time models and the autotuner (see DESIGN.md section 5)."""
+"""Hardware profiles, time models and the autotuner (see DESIGN.md section 5).
+
+The cost model knows the algorithms of `meshslice.rewrites` by name and shape only; it
+never imports the pass or the rewrites.
+
+  profiles   HardwareProfile, load_profile / save_profile, the shipped JSON profiles
+  timing     GemmProblem, Cost, the collective / GEMM formulas, schedules, predict,
+             lower_bound
+  autotune   best_plan (one site), transformer_problems, recommend_mesh (mesh shapes)
+  timeline   predicted schedules as Chrome / Perfetto trace JSON
+  cli        `python -m meshslice autotune`
+
+Example:
+  >>> from meshslice.costmodel import GemmProblem, best_plan
+  >>> best_plan(GemmProblem(m=65536, n=12288, k=12288, rows=8, cols=8), "tpu-v4",
+  ...           dataflows=("os",)).ksplit
+  6
+"""
+from .autotune import (Choice, LayerChoice, LayerProblem, MeshRecommendation, MeshResult,
+                       ModelSpec, best_plan, evaluate_mesh, mesh_shapes, model_spec,
+                       recommend_mesh, transformer_problems, valid_ksplits, variants)
+from .profiles import (CollectiveParams, GemmEfficiency, HardwareProfile, known_profiles,
+                       load_profile, save_profile)
+from .timeline import trace_events, write_trace
+from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, Schedule, algorithm_doc,
+                     algorithm_options, lower_bound, predict, schedule, wang_ring_axis,
+                     why_invalid)
+
+__all__ = ["ALGORITHMS", "DATAFLOWS", "Choice", "CollectiveParams", "Cost", "GemmEfficiency",
+           "GemmProblem", "HardwareProfile", "LayerChoice", "LayerProblem",
+           "MeshRecommendation", "MeshResult", "ModelSpec", "Schedule", "algorithm_doc",
+           "algorithm_options",
+           "best_plan", "evaluate_mesh", "known_profiles", "lower_bound", "load_profile",
+           "mesh_shapes", "model_spec", "predict", "recommend_mesh", "save_profile",
+           "schedule", "trace_events", "transformer_problems", "valid_ksplits", "variants",
+           "wang_ring_axis", "why_invalid", "write_trace"]

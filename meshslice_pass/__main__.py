@@ -13,6 +13,11 @@ def _demo(argv) -> int:
   parser.add_argument("--mesh", default="2x4", help="mesh shape RxC, e.g. 2x4, 4x2, 2x2")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--explicit", action="store_true", help="use Explicit mesh axes")
+  parser.add_argument("--ksplit", default="4",
+                      help="slices per site (default 4, so the demo exercises the sliced "
+                           "pipeline), or 'auto' to let the cost model choose: for these "
+                           "CPU-sized matmuls it predicts that slicing does not pay")
+  parser.add_argument("--profile", default="tpu-v4", help="hardware profile for the cost model")
   args = parser.parse_args(argv)
   try:
     shape = tuple(int(v) for v in args.mesh.lower().split("x"))
@@ -24,7 +29,13 @@ def _demo(argv) -> int:
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", 8)
   from .demo import run_demo
-  err = run_demo(shape, args.dtype, args.explicit)
+  options = {"profile": args.profile}
+  if args.ksplit != "auto":
+    try:
+      options.update(ksplit=int(args.ksplit), algorithm="meshslice")
+    except ValueError:
+      parser.error(f"--ksplit must be a positive int or 'auto', got {args.ksplit!r}")
+  err = run_demo(shape, args.dtype, args.explicit, **options)
   tolerance = 1e-3 if args.dtype == "float32" else 5e-2
   if err > tolerance:
     print(f"FAILED: transformed step differs by {err:.2e} > {tolerance}")

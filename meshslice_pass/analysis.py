@@ -159,7 +159,8 @@ def _elementwise_or_unknown(eqn, ins, outs, ctx, state, index):
       return S.replicated(0)
     return tuple(e if n == m else () for e, n, m in zip(spec, shape, full))
 
-  merged = S.merge([s for s, shape in zip(ins + outs, shapes) if s is not None and shape])
+  # only full-shape values inform the others: a size-1 dim says nothing about layout
+  merged = S.merge([s for s, shape in zip(ins + outs, shapes) if s is not None and shape == full])
   if merged is None:
     return ins, outs
   specs = [s if s is not None else fit(merged, shape) for s, shape in zip(ins + outs, shapes)]
@@ -349,7 +350,7 @@ def _fill_operand(dimension_numbers, known_spec, out_spec, unknown_ndim, unknown
 @rule("dot_general")
 def _dot_general(eqn, ins, outs, ctx, state, index):
   dn = eqn.params["dimension_numbers"]
-  if (ins[0] is None) != (ins[1] is None):
+  if (ins[0] is None) != (ins[1] is None) and outs[0] is not None:
     unknown_is_lhs = ins[0] is None
     known = ins[1] if unknown_is_lhs else ins[0]
     filled = _fill_operand(dn, known, outs[0], len(_shape(eqn.invars[0 if unknown_is_lhs else 1])),

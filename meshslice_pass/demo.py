@@ -63,30 +63,33 @@ def _layernorm(x, scale):
   return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * scale
 
 
-def _matmul(x, w):
-  """x @ w; on an Explicit mesh the 2D result layout must be spelled out."""
+def _result_layout():
+  """On an Explicit mesh the 2D result layout of x @ w must be spelled out; on an Auto
+  mesh GSPMD (and meshslice's analysis) work it out."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.axis_names and AxisType.Explicit in mesh.axis_types:
     row, col = mesh.axis_names[-2:]
-    return jnp.matmul(x, w, out_sharding=P(row, None, col))
-  return x @ w
+    return P(row, None, col)
+  return None
 
 
 def _block(cfg: ModelConfig, x, layer):
   b, s, h = x.shape
   n = cfg.heads
+  out = _result_layout()
   hn = _layernorm(x, layer["ln1"])
-  q = _matmul(hn, layer["wq"]).reshape(b, s, n, h // n)
-  k = _matmul(hn, layer["wk"]).reshape(b, s, n, h // n)
-  v = _matmul(hn, layer["wv"]).reshape(b, s, n, h // n)
+  q = jnp.matmul(hn, layer["wq"], out_sharding=out).reshape(b, s, n, h // n)
+  k = jnp.matmul(hn, layer["wk"], out_sharding=out).reshape(b, s, n, h // n)
+  v = jnp.matmul(hn, layer["wv"], out_sharding=out).reshape(b, s, n, h // n)
   scores = jnp.einsum("bsnd,btnd->bnst", q, k) / np.sqrt(h // n).astype(np.float32)
   mask = jnp.tril(jnp.ones((s, s), bool))
   scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
   probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
   attn = jnp.einsum("bnst,btnd->bsnd", probs, v).reshape(b, s, h)
-  x = x + _matmul(attn, layer["wo"])
+  x = x + jnp.matmul(attn, layer["wo"], out_sharding=out)
   hn = _layernorm(x, layer["ln2"])
-  return x + _matmul(jax.nn.gelu(_matmul(hn, layer["w_up"])), layer["w_down"])
+  up = jax.nn.gelu(jnp.matmul(hn, layer["w_up"], out_sharding=out))
+  return x + jnp.matmul(up, layer["w_down"], out_sharding=out)
 
 
 def loss_fn(cfg: ModelConfig, params, batch):
@@ -162,24 +165,28 @@ def _time(fn, args_fn, repeats):
   return float(np.median(times))
 
 
-def run_demo(mesh_shape=(2, 4), dtype="float32", explicit=False, repeats=5, echo=print):
-  """Transform the demo step, print the report, check it, time it. Returns max rel error."""
+def run_demo(mesh_shape=(2, 4), dtype="float32", explicit=False, repeats=5, echo=print,
+             **options):
+  """Transform the demo step, print the report, check it, time it. Returns max rel error.
+
+  `options` go to `meshslice.transform` (e.g. ksplit=4, profile="cpu")."""
   from .transform import transform  # imported late: this module is also used standalone
   cfg = ModelConfig(dtype=dtype)
   mesh = make_mesh(mesh_shape, explicit=explicit)
   step = make_step(cfg, mesh)
-  fast = transform(step)
+  fast = transform(step, **options)
   with jax.set_mesh(mesh):
     params, batch = place(cfg, mesh)
     echo(f"demo: {cfg.layers}-layer GPT-style step, hidden {cfg.hidden}, ffn {cfg.ffn}, "
          f"batch {cfg.batch}x{cfg.seq}, {dtype}, mesh {dict(mesh.shape)} "
-         f"({'Explicit' if explicit else 'Auto'} axes)")
+         f"({'Explicit' if explicit else 'Auto'} axes), options {options or 'default'}")
     echo(str(fast.explain(params, batch)))
     copy = lambda: jax.tree.map(jnp.copy, params)
     ref_params, ref_loss = step(copy(), batch)
     new_params, new_loss = fast(copy(), batch)
     grad_step = make_grad_step(cfg, mesh)
-    ref_grads, new_grads = grad_step(params, batch), transform(grad_step)(params, batch)
+    ref_grads = grad_step(params, batch)
+    new_grads = transform(grad_step, **options)(params, batch)
     rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
                              / (np.max(np.abs(np.asarray(a, np.float32))) + 1e-30))
     loss_err = abs(float(ref_loss) - float(new_loss)) / abs(float(ref_loss))

@@ -5,6 +5,8 @@ import dataclasses
 
 from meshslice.rewrites import ALGORITHMS
 
+DEFAULT_PROFILE = "tpu-v4"
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Options:
@@ -24,6 +26,9 @@ class Options:
       honour is always an error naming the site.
     plan: a `Plan` (or the path of a plan JSON file) saved from an earlier run; its
       per-site choices are applied as overrides, matched by site position.
+    profile: the hardware profile the cost model plans for: a shipped name
+      ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"), a profile JSON path, or
+      a `meshslice.costmodel.HardwareProfile`.
   """
 
   algorithm: str | None = None
@@ -33,6 +38,7 @@ class Options:
   strict: bool = False
   overrides: dict | None = None
   plan: object = None
+  profile: object = DEFAULT_PROFILE
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -49,6 +55,11 @@ class Options:
       elif not isinstance(plan, Plan):
         raise ValueError("plan must be a meshslice.Plan or the path of a plan JSON file, got "
                          f"{type(plan).__name__}")
+    from meshslice.costmodel import load_profile
+    try:
+      kwargs = dict(kwargs, profile=load_profile(kwargs.get("profile", DEFAULT_PROFILE)))
+    except ValueError as e:
+      raise ValueError(f"profile: {e}") from None
     opts = cls(**kwargs)
     opts.validate()
     return opts

@@ -103,7 +103,13 @@ class Plan:
     _validate_pin(f"Plan.edit(site {index})", pin)
     if not any(e["index"] == index for e in self.sites):
       raise ValueError(f"the plan has no site #{index} (it has {len(self.sites)} sites)")
-    sites = tuple(dict(e, **pin, edited=True) if e["index"] == index else e for e in self.sites)
+    def edited(entry):
+      new = dict(entry, **pin, edited=True)
+      # asking a collective site for slices means: slice it
+      if pin.get("ksplit", 1) > 1 and "algorithm" not in pin and new["algorithm"] == "collective":
+        new["algorithm"] = "meshslice"
+      return new
+    sites = tuple(edited(e) if e["index"] == index else e for e in self.sites)
     return dataclasses.replace(self, sites=sites)
 
   def pin_for(self, path) -> dict:

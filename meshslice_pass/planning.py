@@ -3,10 +3,11 @@
 The plan is a pure function of (program, mesh shape, options): no timing, no host state,
 so every process of a multi-host job emits the same program.
 
-The ksplit rule (temporary, until the cost model chooses): among the S for which
-block-cyclic slicing is exact (S * lcm(R, C) divides the communicated extent), take the
-largest S <= max_ksplit whose block B = extent / (S * lcm(R, C)) has at least min_block
-elements; S = 1 when none does.
+Unless the user pins them, algorithm and ksplit come from the cost model
+(`meshslice.costmodel`, profile option): among the slice counts S for which block-cyclic
+slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_ksplit, with
+blocks of at least min_block elements, the fastest predicted plan wins; ties go to the
+collective algorithm and the smaller S.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from meshslice import rewrites
 from meshslice.rewrites import GemmGeometry
 
 from . import analysis as A
+from . import costing
 from . import matching
 from . import specs as S
 from ._jax_internals import name_stack, source_location
@@ -50,6 +52,8 @@ class Site:
   reason: str = ""
   note: str = ""
   swapped: bool = False
+  predicted_seconds: float | None = None
+  baseline_seconds: float | None = None
   geometry: GemmGeometry | None = dataclasses.field(default=None, repr=False, compare=False)
   specs: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -184,15 +188,29 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
     return Site(rewritten=False, reason=(
         f"communicated extent {match.global_extent} is not divisible by lcm(R, C) = "
         f"{geometry.lcm}"), **base, **decided)
-  site = Site(rewritten=True, algorithm="meshslice", ksplit=1, block=geometry.block_size(1),
-              **base, **decided)
+  problem = costing.problem_for(geometry, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec,
+                                lhs.aval.dtype, out.aval.dtype, ctx.axis_sizes)
+  profile = ctx.options.profile
+  baseline = costing.predict(problem, profile, "collective", match.dataflow, 1)
+  site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
+              baseline_seconds=baseline, predicted_seconds=baseline, **base, **decided)
   algorithm, note = _choose_algorithm(geometry, request, site)
-  site = dataclasses.replace(site, algorithm=algorithm, note=_join(site.note, note))
-  if algorithm == "collective":
-    return site
-  ksplit, note = _choose_ksplit(geometry, ctx.options, request, site)
-  return dataclasses.replace(site, ksplit=ksplit, block=geometry.block_size(ksplit),
-                             note=_join(site.note, note))
+  site = dataclasses.replace(site, note=_join(site.note, note))
+  if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):
+    algorithm = algorithm or "meshslice"
+    ksplit, note = _requested_ksplit(algorithm, geometry, request, site)
+    seconds = costing.predict(problem, profile, algorithm, match.dataflow, ksplit)
+  else:
+    # the cost model picks among the slice counts this site can realise exactly
+    ksplits = tuple(k for k in geometry.valid_ksplits() if k <= ctx.options.max_ksplit
+                    and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
+    algorithm, ksplit, seconds = costing.choose(
+        problem, profile, geometry, ksplits=ksplits or (1,),
+        algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS)
+    note = ""
+  return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
+                             block=geometry.block_size(ksplit) if algorithm != "wang" else None,
+                             predicted_seconds=seconds, note=_join(site.note, note))
 
 
 def _join(*notes):
@@ -200,31 +218,41 @@ def _join(*notes):
 
 
 def _choose_algorithm(geometry, request, site):
-  algorithm = request.algorithm or "meshslice"
+  """The requested algorithm if it can serve the site (None: let the cost model pick)."""
+  algorithm = request.algorithm
+  if algorithm is None:
+    return None, ""
   why_not = rewrites.supports(algorithm, geometry)
   if not why_not:
     return algorithm, ""
   if request.strict:
     raise ValueError(f"algorithm={algorithm!r} cannot serve {site.label}: {why_not}")
-  return "meshslice", f"{why_not}; used meshslice"
+  return None, f"{why_not}; chose among {', '.join(costing.AUTO_ALGORITHMS)}"
 
 
-def _choose_ksplit(geometry: GemmGeometry, opts, request, site: Site):
-  valid = geometry.valid_ksplits()
-  if request.ksplit is not None:
-    if geometry.valid_ksplit(request.ksplit):
-      return request.ksplit, ""
-    if request.strict:
-      raise ValueError(
-          f"ksplit={request.ksplit} does not fit {site.label}, a {site.dataflow} matmul over "
-          f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "
-          f"divisible by ksplit * lcm(R, C) = {request.ksplit * geometry.lcm}. Valid ksplit "
-          f"for this site: {', '.join(map(str, valid))}")
-    nearest = min(valid, key=lambda s: (abs(s - request.ksplit), -s))
-    return nearest, (f"ksplit={request.ksplit} does not divide extent "
-                     f"{geometry.global_extent} into ksplit*lcm(R,C) blocks; used {nearest}")
-  best = 1
-  for s in valid:
-    if s <= opts.max_ksplit and geometry.global_extent // (s * geometry.lcm) >= opts.min_block:
-      best = s
-  return best, ""
+def _fits(algorithm, geometry, ksplit) -> str:
+  """Why `algorithm` cannot run this geometry with `ksplit` slices ("" when it can): the
+  builder itself validates, so ask it."""
+  try:
+    rewrites.build_body(algorithm, geometry, ksplit)
+  except ValueError as e:
+    return str(e)
+  return ""
+
+
+def _requested_ksplit(algorithm, geometry: GemmGeometry, request, site: Site):
+  wanted = 1 if request.ksplit is None or algorithm == "collective" else request.ksplit
+  why_not = _fits(algorithm, geometry, wanted)
+  if not why_not:
+    return wanted, ""
+  valid = [k for k in range(1, geometry.global_extent + 1)
+           if geometry.global_extent % k == 0 and not _fits(algorithm, geometry, k)]
+  if request.strict:
+    raise ValueError(
+        f"ksplit={wanted} does not fit {site.label}, a {site.dataflow} matmul over "
+        f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "
+        f"divisible by ksplit * lcm(R, C) = {wanted * geometry.lcm}. Valid ksplit "
+        f"for this site: {', '.join(map(str, valid))}")
+  nearest = min(valid, key=lambda k: (abs(k - wanted), -k))
+  return nearest, (f"ksplit={wanted} does not divide extent {geometry.global_extent} into "
+                   f"ksplit*lcm(R,C) blocks; used {nearest}")

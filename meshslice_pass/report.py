@@ -17,6 +17,7 @@ class Report:
 
   sites: tuple
   mesh_shape: dict
+  profile: str = ""
 
   @property
   def plan(self):
@@ -32,11 +33,22 @@ class Report:
   def left_alone(self) -> tuple:
     return tuple(s for s in self.sites if not s.rewritten)
 
+  @property
+  def predicted_seconds(self) -> float:
+    """Predicted time of the rewritten sites under the chosen plan (one execution each)."""
+    return sum(s.predicted_seconds or 0.0 for s in self.rewritten)
+
+  @property
+  def baseline_seconds(self) -> float:
+    """Predicted time of the same sites with the collective algorithm."""
+    return sum(s.baseline_seconds or 0.0 for s in self.rewritten)
+
   def __str__(self) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items()) or "none"
     head = (f"meshslice report: {len(self.rewritten)} of {len(self.sites)} matmuls "
-            f"rewritten (mesh {mesh})")
-    cols = ("#", "source", "dir", "where", "lhs", "rhs", "out", "plan", "reason / note")
+            f"rewritten (mesh {mesh}{', profile ' + self.profile if self.profile else ''})")
+    cols = ("#", "source", "dir", "where", "lhs", "rhs", "out", "plan", "pred us", "coll us",
+            "reason / note")
     rows = []
     for s in self.sites:
       if s.rewritten:
@@ -45,12 +57,22 @@ class Report:
         plan = "left alone"
       rows.append((str(s.index), _short(s.source), s.direction[:3], s.context,
                    f"{_shape(s.lhs_shape)} {s.lhs_spec}", f"{_shape(s.rhs_shape)} {s.rhs_spec}",
-                   s.out_spec, plan, s.reason or s.note))
+                   s.out_spec, plan, _us(s.predicted_seconds), _us(s.baseline_seconds),
+                   s.reason or s.note))
     widths = [max(len(c), *(len(r[k]) for r in rows)) if rows else len(c)
               for k, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
     lines = [head, fmt(cols), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+    if self.rewritten:
+      pred, base = self.predicted_seconds, self.baseline_seconds
+      lines.append(f"total predicted for the rewritten sites: {pred * 1e6:.1f} us vs "
+                   f"{base * 1e6:.1f} us with the collective algorithm "
+                   f"({base / pred if pred else 1.0:.2f}x)")
     return "\n".join(lines)
+
+
+def _us(seconds) -> str:
+  return "" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def _shape(shape) -> str:

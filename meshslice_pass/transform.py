@@ -86,7 +86,8 @@ class Transformed:
         closed, analysis, planning.Context(axis_sizes=axis_sizes, options=self._options))
     if self._options.plan is not None:
       self._options.plan.check_matches(sites)
-    report = Report(sites=sites, mesh_shape=axis_sizes)
+    report = Report(sites=sites, mesh_shape=axis_sizes,
+                    profile=getattr(self._options.profile, "name", ""))
     emitter = Emitter(sites, mesh)
 
     def emitted(*flat):

@@ -87,3 +87,113 @@ class GemmGeometry:
     """Every S for which block-cyclic slicing is exact, ascending."""
     n = self.global_extent // self.lcm if self.global_extent % self.lcm == 0 else 0
     return tuple(s for s in range(1, n + 1) if n % s == 0)
+
+
+ONED_KINDS = ("all_gather", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class OneDGeometry:
+  """A dot_general sharded over one mesh axis `axis` (size n), in local terms.
+
+  The one-axis special case of DESIGN.md section 4; the layouts are (a, b stand for any
+  other dims, which may be split further over other mesh axes without communication):
+
+    kind            lhs / rhs                               output
+    all_gather      the free dim named by lhs_dim (or        out_dim: unsharded (gathered)
+                    rhs_dim) is sharded over `axis`; the
+                    contracting dims of both are not
+    reduce_scatter  the contracting dims lhs_dim, rhs_dim    out_dim: sharded over `axis`
+                    are sharded over `axis`; the operand
+                    that supplies out_dim holds it whole
+
+  e.g. all_gather: Y[M, N:a] = all_gather(X[M:a, K], a) . W[K, N:a] (sequence-parallel
+  activations entering a Megatron MLP), reduce_scatter: Y[M:a, N] =
+  reduce_scatter(X[M, K:a] . W[K:a, N], a) (leaving it).
+
+  Attributes:
+    dimension_numbers: the dot_general's ((lhs_contract, rhs_contract),
+      (lhs_batch, rhs_batch)).
+    kind: "all_gather" or "reduce_scatter".
+    axis, axis_size: the mesh axis and its size n.
+    lhs_dim, rhs_dim: all_gather: exactly one is set, the gathered free dim of that
+      operand; reduce_scatter: both are set, the sharded contracting dims.
+    out_dim: the output position of the communicated dim (a free dim, not batch).
+    global_extent: global size of the communicated dim (the gathered dim, or out_dim).
+    reduce_axes, precision, preferred_element_type, out_dtype: as in `GemmGeometry`.
+
+  Example:
+    >>> g = OneDGeometry(dimension_numbers=(((1,), (0,)), ((), ())), kind="all_gather",
+    ...                  axis="x", axis_size=4, lhs_dim=0, rhs_dim=None, out_dim=0,
+    ...                  global_extent=64)
+    >>> g.valid_ksplits()
+    (1, 2, 4, 8, 16)
+  """
+
+  dimension_numbers: tuple
+  kind: str
+  axis: str
+  axis_size: int
+  lhs_dim: int | None
+  rhs_dim: int | None
+  out_dim: int
+  global_extent: int
+  reduce_axes: tuple[str, ...] = ()
+  precision: object = None
+  preferred_element_type: object = None
+  out_dtype: object = None
+
+  def __post_init__(self):
+    if self.kind not in ONED_KINDS:
+      raise ValueError(f"kind must be one of {ONED_KINDS}, got {self.kind!r}")
+    if self.kind == "all_gather" and (self.lhs_dim is None) == (self.rhs_dim is None):
+      raise ValueError("an all_gather OneDGeometry gathers one operand: set exactly one of "
+                       f"lhs_dim, rhs_dim (got lhs_dim={self.lhs_dim}, rhs_dim={self.rhs_dim})")
+    if self.kind == "reduce_scatter" and (self.lhs_dim is None or self.rhs_dim is None):
+      raise ValueError("a reduce_scatter OneDGeometry needs both sharded contracting dims: "
+                       f"got lhs_dim={self.lhs_dim}, rhs_dim={self.rhs_dim}")
+
+  @property
+  def lcm(self) -> int:
+    # One axis: the block-cyclic arithmetic of GemmGeometry with lcm(R, C) -> n.
+    return self.axis_size
+
+  def block_size(self, ksplit: int) -> int:
+    """The slice block size B = extent / (S * n) for S = ksplit."""
+    if not self.valid_ksplit(ksplit):
+      raise ValueError(
+          f"ksplit={ksplit} does not divide the communicated extent "
+          f"{self.global_extent} into S * n = {ksplit * self.lcm} equal blocks")
+    return self.global_extent // (ksplit * self.lcm)
+
+  def valid_ksplit(self, ksplit: int) -> bool:
+    return ksplit >= 1 and self.global_extent % (ksplit * self.lcm) == 0
+
+  def valid_ksplits(self) -> tuple[int, ...]:
+    """Every S for which slicing is exact, ascending."""
+    n = self.global_extent // self.lcm if self.global_extent % self.lcm == 0 else 0
+    return tuple(s for s in range(1, n + 1) if n % s == 0)
+
+
+def extent_reason(geometry) -> str:
+  """Why the communicated extent cannot be laid out on the mesh, or "" if it can.
+
+  Every algorithm needs it: the extent is split over both axes (or over the one axis
+  of a `OneDGeometry`), so lcm(R, C) (or n) must divide it.
+  """
+  if geometry.global_extent % geometry.lcm == 0:
+    return ""
+  if isinstance(geometry, OneDGeometry):
+    return (f"communicated extent {geometry.global_extent} is not divisible by the size "
+            f"{geometry.axis_size} of mesh axis {geometry.axis!r}")
+  return (f"communicated extent {geometry.global_extent} is not divisible by "
+          f"lcm(R, C) = {geometry.lcm}")
+
+
+def ksplit_reason(geometry, ksplit: int, algorithm: str) -> str:
+  """Why `ksplit` does not slice `geometry` exactly (S * lcm must divide the extent)."""
+  if isinstance(ksplit, int) and geometry.valid_ksplit(ksplit):
+    return ""
+  return (f"{algorithm}: ksplit={ksplit} does not divide the communicated extent "
+          f"{geometry.global_extent} into ksplit * lcm = {ksplit} * {geometry.lcm} equal "
+          f"blocks; valid ksplit: {', '.join(map(str, geometry.valid_ksplits())) or 'none'}")

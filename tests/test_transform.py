@@ -82,12 +82,17 @@ def test_static_args_donation_and_lower():
 def test_explain_on_abstract_inputs():
   msh, s, _ = _setup()
   spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=s)
-  report = meshslice.explain(jax.jit(_mlp))(spec((16, 64)), spec((64, 128)), spec((128, 64)))
+  # GPT-3-sized operands: planning only, nothing is allocated
+  tokens, hidden = 16384, 12288
+  report = meshslice.explain(jax.jit(_mlp))(spec((tokens, hidden)), spec((hidden, 4 * hidden)),
+                                            spec((4 * hidden, hidden)))
   assert [x.rewritten for x in report.sites] == [True, True]
   site = report.sites[0]
   assert site.source.endswith("test_transform.py:" + str(_mlp.__code__.co_firstlineno + 1))
   assert (site.algorithm, site.dataflow, site.mesh_axes) == ("meshslice", "os", ("x", "y"))
-  assert site.lhs_shape == (16, 64) and site.lhs_spec == "P('x', 'y')" and site.reason == ""
+  assert site.ksplit > 1 and site.predicted_seconds < site.baseline_seconds
+  assert site.lhs_shape == (tokens, hidden) and site.lhs_spec == "P('x', 'y')"
+  assert site.reason == ""
   text = str(report)
   assert "2 of 2 matmuls rewritten" in text and "meshslice os" in text
 

@@ -1,0 +1,148 @@
+"""`python -m meshslice autotune`: best mesh shape, dataflow, algorithm and ksplit for the
+feed-forward layers of a transformer, from the cost model alone (nothing is run).
+
+Example:
+  python -m meshslice autotune --model gpt3 --chips 256
+  python -m meshslice autotune --model custom --chips 64 --heads 32 --head-dim 128 \\
+      --seq 2048 --profile tpu-v5p --algorithms all --trace plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import autotune as A
+from .profiles import known_profiles, load_profile
+from .timeline import trace_events, write_trace
+from .timing import ALGORITHMS, schedule
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m meshslice autotune",
+      description="Predict the FF-layer GEMMs of one transformer layer (forward + backward) "
+                  "on every 2D mesh shape of --chips and pick the best shape, and per GEMM "
+                  "the algorithm and ksplit. Costs come from the cost model only.")
+  p.add_argument("--model", default="gpt3", choices=[*A.MODELS, "custom"],
+                 help="gpt3 (96 heads x 128), megatron (160 x 128), or custom "
+                      "(needs --heads, --head-dim, --seq)")
+  p.add_argument("--chips", type=int, required=True, help="number of chips P")
+  p.add_argument("--batch", type=int, default=None,
+                 help="sequences per step (default: one per chip)")
+  p.add_argument("--seq", type=int, default=None, help="sequence length (preset: 2048)")
+  p.add_argument("--heads", type=int, default=None)
+  p.add_argument("--head-dim", type=int, default=None)
+  p.add_argument("--layers", type=int, default=None,
+                 help="transformer layers per step (presets: gpt3 96, megatron 105)")
+  p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (bf16: 2)")
+  p.add_argument("--profile", default="tpu-v4",
+                 help=f"hardware profile name ({', '.join(known_profiles())}) or JSON path")
+  p.add_argument("--algorithms", default=",".join(A.EMITTABLE),
+                 help=f"comma-separated candidates from {', '.join(ALGORITHMS)}, or 'all' "
+                      f"(default: what the pass emits)")
+  p.add_argument("--max-ksplit", type=int, default=16)
+  p.add_argument("--min-block", type=int, default=1)
+  p.add_argument("--best-only", action="store_true",
+                 help="print the per-GEMM table of the best mesh shape only")
+  p.add_argument("--trace", default=None,
+                 help="write the predicted schedule of the best shape as Perfetto JSON")
+  p.add_argument("--json", default=None, help="write the full result as JSON")
+  return p
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.3f} ms"
+
+
+def _ratio(a: float, b: float) -> str:
+  return f"{a / b:.2f}x" if b else "-"
+
+
+def _table(rows, header) -> list[str]:
+  widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+  fmt = lambda r: "  ".join(str(v).rjust(w) if i >= 2 else str(v).ljust(w)
+                            for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+  return [fmt(header)] + [fmt(r) for r in rows]
+
+
+def _layer_table(result) -> list[str]:
+  rows = []
+  for lc in result.layers:
+    c, p = lc.choice, lc.problem
+    rows.append([lc.label, c.dataflow, c.label, c.ksplit, f"{p.m}x{p.n}x{p.k}",
+                 _ms(c.cost.total_s), _ms(c.baseline.total_s), _ratio(c.baseline.total_s,
+                                                                       c.cost.total_s),
+                 _ms(c.cost.exposed_comm_s), _ms(lc.bound.total_s)])
+  return _table(rows, ["gemm", "dataflow", "algorithm", "ksplit", "m x n x k", "predicted",
+                       "collective", "speedup", "exposed comm", "bound"])
+
+
+def render(rec: A.MeshRecommendation, *, best_only: bool = False) -> str:
+  """The text report of a MeshRecommendation (what `autotune` prints)."""
+  m = rec.model
+  lines = [f"autotune: {m.name} (hidden {m.hidden} = {m.heads} heads x {m.head_dim}, "
+           f"seq {m.seq}, {m.layers} layers), {rec.chips} chips, batch {rec.batch}, "
+           f"{rec.dtype_bytes}-byte elements, profile {rec.profile}",
+           f"candidates: {', '.join(rec.algorithms)} (ksplit <= {rec.max_ksplit}); "
+           f"times per transformer layer (12 FF GEMMs, forward + backward)", ""]
+  rows = []
+  for r in rec.results:
+    if r.feasible:
+      rows.append([str(r.shape), "*" if r is rec.best else "", _ms(r.cost.total_s),
+                   _ms(r.baseline.total_s), _ratio(r.baseline.total_s, r.cost.total_s),
+                   _ms(r.bound.total_s), f"+{(r.cost.total_s / r.bound.total_s - 1) * 100:.1f}%"])
+    else:
+      rows.append([str(r.shape), "", "infeasible", "", "", "", r.reason])
+  lines += _table(rows, ["mesh shape", "best", "predicted", "collective", "speedup", "bound",
+                         "gap to bound"])
+  for r in rec.results:
+    if r.feasible and (r is rec.best or not best_only):
+      lines += ["", f"mesh shape {r.shape}{' (best)' if r is rec.best else ''}:"]
+      lines += ["  " + line for line in _layer_table(r)]
+  b = rec.best
+  lines += ["", f"best mesh shape: {b.shape}: {_ms(b.cost.total_s)} per layer, "
+                f"{b.cost.total_s * m.layers:.4f} s per step of {m.layers} layers "
+                f"(collective on the same shape: {b.baseline.total_s * m.layers:.4f} s, "
+                f"{_ratio(b.baseline.total_s, b.cost.total_s)})"]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  """Run `autotune`; `argv` may start with the word "autotune". Returns the exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] == "autotune":
+    argv = argv[1:]
+  parser = _parser()
+  try:
+    args = parser.parse_args(argv)
+  except SystemExit as e:   # --help or a usage error: argparse already printed why
+    return int(e.code or 0)
+  algorithms = (ALGORITHMS if args.algorithms.strip() == "all"
+                else tuple(a.strip() for a in args.algorithms.split(",") if a.strip()))
+  try:
+    profile = load_profile(args.profile)
+    rec = A.recommend_mesh(args.chips, model=args.model, profile=profile, batch=args.batch,
+                           seq=args.seq, heads=args.heads, head_dim=args.head_dim,
+                           layers=args.layers, dtype_bytes=args.dtype_bytes,
+                           algorithms=algorithms, max_ksplit=args.max_ksplit,
+                           min_block=args.min_block)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(render(rec, best_only=args.best_only))
+  if args.trace:
+    scheds = [(lc.label, schedule(lc.problem, lc.choice.algorithm, lc.choice.dataflow,
+                                  lc.choice.ksplit, profile, **dict(lc.choice.options)))
+              for lc in rec.best.layers]
+    write_trace(args.trace, trace_events(
+        scheds, process_name=f"{rec.model.name} on {rec.best_shape} ({rec.profile}), predicted"))
+    print(f"trace written to {args.trace}")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      f.write(rec.to_json() + "\n")
+    print(f"result written to {args.json}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,327 @@
+"""Hardware profiles: what one chip computes and how fast each mesh axis communicates.
+
+A profile is data (a frozen dataclass, saved as JSON under `profiles/`). The formulas
+that turn it into seconds live in `timing.py`; this module only holds, validates, loads
+and saves the numbers.
+
+Units (also written into every JSON file under "units"):
+
+  peak_flops                      FLOP/s per chip (the matmul peak the model divides by)
+  <collective>.bandwidth          bytes/s per device, [mesh dim 0, mesh dim 1]
+  <collective>.hop_latency        seconds per ring hop, [mesh dim 0, mesh dim 1]
+  <collective>.base_overhead      seconds per collective call, [mesh dim 0, mesh dim 1]
+  gemm_efficiency.max_efficiency  fraction of peak_flops a large matmul reaches (0, 1]
+  gemm_efficiency.m_sat/n_sat/k_sat  local matmul extent (elements) at which that dim
+                                  stops costing efficiency
+
+where <collective> is all_gather, reduce_scatter or permute (one send/recv hop).
+
+GEMM efficiency (a saturating ramp per dim; documented here because every profile uses it):
+
+  efficiency(m, n, k) = max_efficiency * min(1, m/m_sat) * min(1, n/n_sat) * min(1, k/k_sat)
+
+A matmul whose dims all reach their saturation point runs at max_efficiency; halving
+one dim below it halves the throughput (a half-empty systolic array / tensor-core tile
+does half the useful work). Crude, but it is what makes very thin slices unattractive,
+which is what bounds the slice count S from above.
+
+Shipped profiles (`known_profiles()`):
+
+  tpu-v4   calibrated: the original MeshSlice authors' measurements (DESIGN.md section 5)
+  tpu-v5e, tpu-v5p, tpu-v6e, h100   derived from public chip numbers (not measured)
+  cpu      rough numbers for the emulated-device CPU runs; do not trust them
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import math
+import os
+import re
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "permute")
+
+UNITS = {
+    "peak_flops": "FLOP/s per chip",
+    "bandwidth": "bytes/s per device, [mesh dim 0, mesh dim 1]",
+    "hop_latency": "seconds per ring hop, [mesh dim 0, mesh dim 1]",
+    "base_overhead": "seconds per collective call, [mesh dim 0, mesh dim 1]",
+    "max_efficiency": "fraction of peak_flops, in (0, 1]",
+    "m_sat/n_sat/k_sat": "elements of the local matmul dim at which efficiency saturates",
+    "efficiency": "max_efficiency * min(1, m/m_sat) * min(1, n/n_sat) * min(1, k/k_sat)",
+}
+
+
+def _check_number(value, where: str, *, positive: bool, at_most: float | None = None):
+  # bool is an int in Python; a profile saying `true` is a typo, not a number.
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"field {where!r} must be a number, got {value!r}")
+  if not math.isfinite(value):
+    raise ValueError(f"field {where!r} must be finite, got {value!r}")
+  if positive and value <= 0:
+    raise ValueError(f"field {where!r} must be > 0, got {value!r}")
+  if not positive and value < 0:
+    raise ValueError(f"field {where!r} must be >= 0 (no negative values), got {value!r}")
+  if at_most is not None and value > at_most:
+    raise ValueError(f"field {where!r} must be <= {at_most}, got {value!r}")
+
+
+def _check_pair(value, where: str, *, positive: bool):
+  if not isinstance(value, (tuple, list)) or len(value) != 2:
+    raise ValueError(f"field {where!r} must be a pair [mesh dim 0, mesh dim 1], "
+                     f"got {value!r}")
+  for i, v in enumerate(value):
+    _check_number(v, f"{where}[{i}]", positive=positive)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveParams:
+  """Alpha-beta parameters of one collective kind, per mesh dim (0, 1).
+
+  Example:
+    >>> p = CollectiveParams(bandwidth=(1e9, 2e9), hop_latency=(1e-6, 1e-6),
+    ...                      base_overhead=(1e-5, 1e-5))
+    >>> p.bandwidth[1]
+    2000000000.0
+  """
+
+  bandwidth: tuple[float, float]
+  hop_latency: tuple[float, float]
+  base_overhead: tuple[float, float]
+
+  def __post_init__(self):
+    for name in ("bandwidth", "hop_latency", "base_overhead"):
+      value = getattr(self, name)
+      _check_pair(value, name, positive=name == "bandwidth")
+      # Normalise to a tuple of floats so equality and JSON round trips are exact.
+      object.__setattr__(self, name, tuple(float(v) for v in value))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GemmEfficiency:
+  """Fraction of peak a local matmul of shape (m, n, k) reaches (see module docstring).
+
+  Example:
+    >>> e = GemmEfficiency(max_efficiency=0.8, m_sat=256, n_sat=256, k_sat=256)
+    >>> e(1024, 1024, 1024), e(128, 1024, 1024), e(128, 128, 1024)
+    (0.8, 0.4, 0.2)
+  """
+
+  max_efficiency: float
+  m_sat: float
+  n_sat: float
+  k_sat: float
+
+  def __post_init__(self):
+    _check_number(self.max_efficiency, "max_efficiency", positive=True, at_most=1.0)
+    for name in ("m_sat", "n_sat", "k_sat"):
+      _check_number(getattr(self, name), name, positive=True)
+    for name in ("max_efficiency", "m_sat", "n_sat", "k_sat"):
+      object.__setattr__(self, name, float(getattr(self, name)))
+
+  def __call__(self, m: float, n: float, k: float) -> float:
+    return (self.max_efficiency * min(1.0, m / self.m_sat) * min(1.0, n / self.n_sat)
+            * min(1.0, k / self.k_sat))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HardwareProfile:
+  """Everything the time model needs to know about one kind of chip and its mesh links.
+
+  Attributes:
+    name: short identifier, e.g. "tpu-v4".
+    peak_flops: FLOP/s per chip.
+    all_gather, reduce_scatter, permute: per-mesh-dim (0, 1) bandwidths (bytes/s),
+      hop latencies (s) and fixed per-call overheads (s) of each collective kind.
+    gemm: the GEMM-efficiency model.
+    description: where the numbers come from.
+
+  Example:
+    >>> p = load_profile("tpu-v4")
+    >>> p.peak_flops, p.all_gather.bandwidth
+    (266000000000000.0, (27472000000.0, 79751000000.0))
+    >>> p.collective("reduce_scatter").base_overhead[0]
+    2.6e-05
+  """
+
+  name: str
+  peak_flops: float
+  all_gather: CollectiveParams
+  reduce_scatter: CollectiveParams
+  permute: CollectiveParams
+  gemm: GemmEfficiency
+  description: str = ""
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"field 'name' must be a non-empty string, got {self.name!r}")
+    if not isinstance(self.description, str):
+      raise ValueError(f"field 'description' must be a string, got {self.description!r}")
+    _check_number(self.peak_flops, "peak_flops", positive=True)
+    object.__setattr__(self, "peak_flops", float(self.peak_flops))
+    for kind in COLLECTIVES:
+      if not isinstance(getattr(self, kind), CollectiveParams):
+        raise ValueError(f"field {kind!r} must be a CollectiveParams")
+    if not isinstance(self.gemm, GemmEfficiency):
+      raise ValueError("field 'gemm' must be a GemmEfficiency")
+
+  def collective(self, kind: str) -> CollectiveParams:
+    """The parameters of `kind` ("all_gather", "reduce_scatter" or "permute")."""
+    if kind not in COLLECTIVES:
+      raise ValueError(f"collective kind must be one of {COLLECTIVES}, got {kind!r}")
+    return getattr(self, kind)
+
+  def to_json_dict(self) -> dict:
+    """The JSON form written by `save_profile` (units included, for people)."""
+    return {
+        "name": self.name,
+        "description": self.description,
+        "units": dict(UNITS),
+        "peak_flops": self.peak_flops,
+        "collectives": {
+            kind: {"bandwidth": list(p.bandwidth), "hop_latency": list(p.hop_latency),
+                   "base_overhead": list(p.base_overhead)}
+            for kind in COLLECTIVES for p in (self.collective(kind),)},
+        "gemm_efficiency": {"max_efficiency": self.gemm.max_efficiency,
+                            "m_sat": self.gemm.m_sat, "n_sat": self.gemm.n_sat,
+                            "k_sat": self.gemm.k_sat},
+    }
+
+
+def _field(obj: dict, key: str, where: str):
+  if not isinstance(obj, dict):
+    raise ValueError(f"field {where or '<top level>'!r} must be a JSON object, got {obj!r}")
+  if key not in obj:
+    raise ValueError(f"missing field {(where + '.' if where else '') + key!r}")
+  return obj[key]
+
+
+def profile_from_json_dict(data) -> HardwareProfile:
+  """Build a profile from its JSON form, naming the offending field on any problem.
+
+  Example:
+    >>> p = load_profile("cpu")
+    >>> profile_from_json_dict(p.to_json_dict()) == p
+    True
+  """
+  name = _field(data, "name", "")
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"field 'name' must be a non-empty string, got {name!r}")
+  description = data.get("description", "")
+  if not isinstance(description, str):
+    raise ValueError(f"field 'description' must be a string, got {description!r}")
+  peak = _field(data, "peak_flops", "")
+  _check_number(peak, "peak_flops", positive=True)
+  colls = _field(data, "collectives", "")
+  params = {}
+  for kind in COLLECTIVES:
+    c = _field(colls, kind, "collectives")
+    values = {}
+    for key in ("bandwidth", "hop_latency", "base_overhead"):
+      where = f"collectives.{kind}.{key}"
+      values[key] = _field(c, key, f"collectives.{kind}")
+      _check_pair(values[key], where, positive=key == "bandwidth")
+    params[kind] = CollectiveParams(**values)
+  g = _field(data, "gemm_efficiency", "")
+  values = {}
+  for key in ("max_efficiency", "m_sat", "n_sat", "k_sat"):
+    values[key] = _field(g, key, "gemm_efficiency")
+    _check_number(values[key], f"gemm_efficiency.{key}", positive=True,
+                  at_most=1.0 if key == "max_efficiency" else None)
+  return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
+                         description=description, **params)
+
+
+def _builtin_dir():
+  return importlib.resources.files(__package__) / "profiles"
+
+
+def known_profiles() -> tuple[str, ...]:
+  """Names of the profiles shipped with the package, sorted.
+
+  Example:
+    >>> "tpu-v4" in known_profiles()
+    True
+  """
+  return tuple(sorted(p.name[:-len(".json")] for p in _builtin_dir().iterdir()
+                      if p.name.endswith(".json")))
+
+
+def _read(source, label: str) -> HardwareProfile:
+  try:
+    data = json.loads(source.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"hardware profile {label}: not valid JSON ({e})") from None
+  except OSError as e:
+    raise ValueError(f"hardware profile {label}: cannot read it ({e})") from None
+  try:
+    return profile_from_json_dict(data)
+  except ValueError as e:
+    raise ValueError(f"hardware profile {label}: {e}") from None
+
+
+def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+  """A shipped profile by name ("tpu-v4", ...) or a profile JSON file by path.
+
+  A string that names an existing file, ends in ".json" or contains a path separator
+  is read as a path; anything else must be a shipped name. A HardwareProfile passes
+  through unchanged.
+
+  Raises:
+    ValueError: unknown name (the message lists the known ones), or a file that is
+      missing, not JSON, lacks a field, or has a field of the wrong type or sign (the
+      message names the file and the field).
+
+  Example:
+    >>> load_profile("tpu-v4").name
+    'tpu-v4'
+    >>> load_profile("tpu-v9")                           # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown hardware profile 'tpu-v9'; known profiles: cpu, h100, tpu-v4, ...
+  """
+  if isinstance(name_or_path, HardwareProfile):
+    return name_or_path
+  text = os.fspath(name_or_path)
+  looks_like_path = (not isinstance(name_or_path, str) or text.endswith(".json")
+                     or os.sep in text or (os.altsep and os.altsep in text)
+                     or os.path.isfile(text))
+  if looks_like_path:
+    return _read(_PathSource(text), repr(text))
+  known = known_profiles()
+  if text not in known:
+    raise ValueError(f"unknown hardware profile {text!r}; known profiles: "
+                     f"{', '.join(known)} (or pass the path of a profile JSON file)")
+  return _read(_builtin_dir() / f"{text}.json", repr(text))
+
+
+class _PathSource:
+  """A file path with the `read_text` of importlib.resources traversables."""
+
+  __slots__ = ("path",)
+
+  def __init__(self, path):
+    self.path = path
+
+  def read_text(self, encoding):
+    with open(self.path, encoding=encoding) as f:
+      return f.read()
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> None:
+  """Write `profile` as JSON (with a "units" key); `load_profile(path)` reads it back equal.
+
+  Example:
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "mine.json")
+    >>> save_profile(load_profile("tpu-v4"), path)
+    >>> load_profile(path) == load_profile("tpu-v4")
+    True
+  """
+  text = json.dumps(profile.to_json_dict(), indent=2)
+  # Keep each [dim 0, dim 1] pair on one line: the files are meant to be read and edited.
+  text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]",
+                lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text + "\n")

@@ -1,0 +1,63 @@
+"""The bridge from a planned site to the cost model: describe it as a `GemmProblem`,
+predict candidate plans, pick the fastest deterministically.
+
+Only the site's shapes, dtypes and mesh sizes enter, so the choice is a pure function of
+(program, mesh shape, options, profile): no timing, no host state.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from meshslice import costmodel
+
+# Candidates tried in this order; a later one must be strictly faster to win, so ties go
+# to the simpler algorithm and the smaller ksplit.
+AUTO_ALGORITHMS = ("collective", "meshslice")
+
+
+def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, out_dtype,
+                axis_sizes) -> costmodel.GemmProblem:
+  """The site as the cost model sees it. Dims split over extra mesh axes (data, fsdp)
+  shrink the per-device problem without any communication, so they divide the sizes."""
+  (lc, rc), (lb, rb) = geometry.dimension_numbers
+  lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+  tp = {geometry.row_axis, geometry.col_axis}
+
+  def size(shape, spec, dims):
+    total = 1
+    for d in dims:
+      extra = math.prod(axis_sizes[a] for a in spec[d] if a not in tp)
+      total *= shape[d] // extra
+    return total
+
+  mesh_order = list(axis_sizes)
+  row_first = mesh_order.index(geometry.row_axis) < mesh_order.index(geometry.col_axis)
+  return costmodel.GemmProblem(
+      m=size(lhs_shape, lhs_spec, lf), n=size(rhs_shape, rhs_spec, rf),
+      k=size(lhs_shape, lhs_spec, lc), batch=size(lhs_shape, lhs_spec, lb),
+      rows=geometry.row_size, cols=geometry.col_size,
+      in_bytes=jnp.dtype(lhs_dtype).itemsize, out_bytes=jnp.dtype(out_dtype).itemsize,
+      row_profile_dim=0 if row_first else 1, col_profile_dim=1 if row_first else 0)
+
+
+def predict(problem, profile, algorithm, dataflow, ksplit) -> float:
+  return float(costmodel.predict(problem, algorithm, dataflow, ksplit, profile).total_s)
+
+
+def choose(problem, profile, geometry, *, algorithms, ksplits):
+  """(algorithm, ksplit, predicted seconds) of the fastest candidate.
+
+  `ksplits` are the slice counts the site's geometry can realise exactly; the cost
+  model is asked only about those."""
+  best = None
+  for algorithm in algorithms:
+    for ksplit in ((1,) if algorithm == "collective" else ksplits):
+      if costmodel.why_invalid(problem, algorithm, geometry.dataflow, ksplit):
+        continue
+      seconds = predict(problem, profile, algorithm, geometry.dataflow, ksplit)
+      if best is None or seconds < best[2]:
+        best = (algorithm, ksplit, seconds)
+  return best

@@ -1,0 +1,227 @@
+"""Collective matmul (Wang et al., ASPLOS'23): one axis's collective becomes a ring.
+
+The collective of one mesh axis (the *ring axis*) is decomposed into n - 1 `ppermute`
+steps, each overlapped with the partial matmul of the block that just arrived (an
+all-gather ring), or with the partial matmul whose sum is passed on next (a
+reduce-scatter ring). The other axis keeps its plain all_gather / psum_scatter.
+Bidirectional: each ring block is cut in halves that travel opposite ways, so each step
+uses both links of a ring and moves half the bytes per link.
+
+The two ring engines (`ring_all_gather`, `ring_reduce_scatter`) are shared with the 1D
+collective matmuls in `oned.py`.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from .geometry import GemmGeometry, extent_reason
+from .meshslice import _finish, _local_dot, accumulation_dtype
+
+RINGS = ("row", "col")
+
+
+def shift(x, axis: str, n: int, step: int):
+  """Send `x` to the device `step` places further along mesh axis `axis` (size n)."""
+  return lax.ppermute(x, axis, [(k, (k + step) % n) for k in range(n)])
+
+
+def _groups(ksplit: int, bidirectional: bool):
+  """Chunks of one ring block as pipeline stages of (chunk index, direction of travel).
+
+  A bidirectional stage sends one chunk each way at once (both links busy)."""
+  if bidirectional:
+    return [((c, +1), (ksplit + c, -1)) for c in range(ksplit)]
+  return [((c, +1),) for c in range(ksplit)]
+
+
+def ring_all_gather(moving, dim: int, axis: str, n: int, ksplit: int, bidirectional: bool,
+                    consume, carry=None):
+  """Feed each block of all_gather(moving, axis, dim) to `consume` as it arrives.
+
+    chunks = split(moving, ksplit (x2 if bidirectional), dim)
+    for t in 0..n-1:  for each chunk c (travelling d = +-1):
+      send c on to the device d further (t < n-1)  |  carry = consume(carry, c, start)
+  where `start` (traced) is where the chunk sits in the gathered dim (block me - d*t).
+  """
+  groups = _groups(ksplit, bidirectional)
+  parts = sum(len(g) for g in groups)
+  extent = moving.shape[dim]
+  size = extent // parts
+  chunks = ([moving] if parts == 1 else
+            [lax.slice_in_dim(moving, c * size, (c + 1) * size, axis=dim) for c in range(parts)])
+  me = lax.axis_index(axis)
+  for t in range(n):
+    last = t + 1 == n
+    for group in groups:
+      sent = {} if last else {c: shift(chunks[c], axis, n, d) for c, d in group}
+      for c, d in group:
+        start = ((me - d * t) % n) * extent + c * size
+        carry = consume(carry, chunks[c], start)
+      if not last:
+        chunks = [sent.get(c, x) for c, x in enumerate(chunks)]
+        # Later stages' sends start from the barrier's output: no collective combining.
+        chunks, carry = lax.optimization_barrier((chunks, carry))
+  return carry
+
+
+def ring_reduce_scatter(produce, axis: str, n: int, extent: int, out_dim: int, ksplit: int,
+                        bidirectional: bool, wire_dtype):
+  """psum_scatter over `axis` along `out_dim` of a partial result made block by block.
+
+    for t in 0..n-1:  for each chunk c (travelling d = +-1) of output block b = me - d*(1+t):
+      acc_c = received_c + produce(start of (b, c), chunk size)
+      send acc_c on to the device d further (t < n-1), beside the next stage's produce
+  so after n steps each device holds the full sum of its own block (b = me).
+  `extent` is the local (scattered) extent of out_dim; partial sums travel as wire_dtype.
+  """
+  groups = _groups(ksplit, bidirectional)
+  parts = sum(len(g) for g in groups)
+  size = extent // parts
+  me = lax.axis_index(axis)
+  accs = [None] * parts
+  pending = []       # (chunk, direction, partial sum) to send during the next stage
+  for t in range(n):
+    for group in groups:
+      sent = [(c, shift(v, axis, n, d)) for c, d, v in pending]
+      made = [produce(((me - d * (1 + t)) % n) * extent + c * size, size) for c, d in group]
+      received, made = lax.optimization_barrier(([v for _, v in sent], made))
+      for (c, _), v in zip(sent, received):
+        accs[c] = v
+      pending = []
+      for (c, d), part in zip(group, made):
+        total = part if t == 0 else accs[c].astype(part.dtype) + part
+        if t + 1 < n:
+          pending.append((c, d, total.astype(wire_dtype)))
+        else:
+          accs[c] = total
+  return accs[0] if parts == 1 else jnp.concatenate(accs, axis=out_dim)
+
+
+def ring_axis(geometry: GemmGeometry, ring: str | None) -> str:
+  """The axis ("row" or "col") whose collective becomes the ring. Default: the larger
+  axis (more steps to hide behind); col on a tie."""
+  if ring is None:
+    return "row" if geometry.row_size > geometry.col_size else "col"
+  return ring
+
+
+def unsupported(geometry: GemmGeometry, ksplit: int = 1, bidirectional: bool = False,
+                ring: str | None = None) -> str:
+  """Why `build_wang` cannot serve these arguments, or ""."""
+  if ring not in (None,) + RINGS:
+    return f"wang: ring must be one of {RINGS} or None, got {ring!r}"
+  reason = extent_reason(geometry)
+  if reason:
+    return f"wang: {reason}"
+  which = ring_axis(geometry, ring)
+  n = geometry.row_size if which == "row" else geometry.col_size
+  name = geometry.row_axis if which == "row" else geometry.col_axis
+  block = geometry.global_extent // n
+  parts = ksplit * (2 if bidirectional else 1)
+  if not isinstance(ksplit, int) or ksplit < 1 or block % parts:
+    what = f"2 * ksplit = {parts}" if bidirectional else f"ksplit={ksplit}"
+    return (f"wang: {what} must divide the ring block: the communicated extent "
+            f"{geometry.global_extent} / {n} devices on ring axis {name!r} = {block}")
+  return ""
+
+
+def build_wang(geometry: GemmGeometry, ksplit: int = 1, bidirectional: bool = False,
+               ring: str | None = None):
+  """Shard_map body of the collective matmul (Wang et al.) for `geometry.dataflow`.
+
+  `ring` ("row", "col" or None = the larger axis, col on a tie) picks the axis whose
+  collective becomes a ring of ppermutes (`ring_all_gather` / `ring_reduce_scatter`);
+  the other axis keeps a plain collective. Same layouts as `build_meshslice`:
+
+    os, ring col:  Wf = all_gather(W, row, K)
+                   for t: Y += X_blk(t) . Wf[K of blk(t)];  X_blk(t+1) = ppermute(X_blk(t), col)
+    os, ring row:  Xf = all_gather(X, col, K); ring W over row likewise
+    ls, ring row:  P[:, N of blk(t)] = X . W_blk(t), W ringed over row;  Y = psum_scatter(P, col, N)
+    ls, ring col:  Wf = all_gather(W, row, N)
+                   for t: acc = ppermute(acc, col) + X . Wf[:, N of blk(me-1-t)]   # Y = acc
+    rs, ring col:  P[M of blk(t)] = X_blk(t) . W, X ringed over col;   Y = psum_scatter(P, row, M)
+    rs, ring row:  Xf = all_gather(X, col, M); reduce-scatter ring over row likewise
+
+  ksplit cuts each ring block into ksplit chunks (2 * ksplit when bidirectional), each
+  sent while the previous one is multiplied.
+
+  Requires: lcm(R, C) divides the communicated extent; ksplit (x2 if bidirectional)
+  divides extent / n_ring. Bytes per device equal the collective algorithm's (a ring
+  all-gather / reduce-scatter is what the collective does anyway), in n_ring - 1 steps.
+  """
+  reason = unsupported(geometry, ksplit, bidirectional, ring)
+  if reason:
+    raise ValueError(reason)
+  which = ring_axis(geometry, ring)
+  if geometry.dataflow == "os":
+    return lambda lhs, rhs: _os(geometry, ksplit, bidirectional, which, lhs, rhs)
+  return lambda lhs, rhs: _stationary(geometry, ksplit, bidirectional, which, lhs, rhs,
+                                      moving_is_lhs=geometry.dataflow == "rs")
+
+
+def _os(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs):
+  acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
+  if which == "col":     # X's K-gather over col is the ring; W is gathered whole
+    other = lax.all_gather(rhs, g.row_axis, axis=g.rhs_dim, tiled=True)
+
+    def consume(acc, piece, start):
+      w = lax.dynamic_slice_in_dim(other, start, piece.shape[g.lhs_dim], axis=g.rhs_dim)
+      part = _local_dot(g, piece, w, acc_dtype)
+      return part if acc is None else acc + part
+
+    acc = ring_all_gather(lhs, g.lhs_dim, g.col_axis, g.col_size, ksplit, bidirectional,
+                          consume)
+  else:
+    other = lax.all_gather(lhs, g.col_axis, axis=g.lhs_dim, tiled=True)
+
+    def consume(acc, piece, start):
+      x = lax.dynamic_slice_in_dim(other, start, piece.shape[g.rhs_dim], axis=g.lhs_dim)
+      part = _local_dot(g, x, piece, acc_dtype)
+      return part if acc is None else acc + part
+
+    acc = ring_all_gather(rhs, g.rhs_dim, g.row_axis, g.row_size, ksplit, bidirectional,
+                          consume)
+  return _finish(g, acc, lhs, rhs)
+
+
+def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, moving_is_lhs):
+  """ls (rhs gathered over row, partials scattered over col) and rs (lhs gathered over
+  col, partials scattered over row): the same code with the roles swapped."""
+  acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
+  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  if moving_is_lhs:
+    moving, move_dim = lhs, g.lhs_dim
+    gather = ("col", g.col_axis, g.col_size)
+    scatter = ("row", g.row_axis, g.row_size)
+  else:
+    moving, move_dim = rhs, g.rhs_dim
+    gather = ("row", g.row_axis, g.row_size)
+    scatter = ("col", g.col_axis, g.col_size)
+
+  def multiply(piece):
+    a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
+    return _local_dot(g, a, b, acc_dtype)
+
+  if which == gather[0]:   # all-gather ring, then the plain reduce-scatter
+    def consume(buf, piece, start):
+      part = multiply(piece).astype(out_dtype)
+      if buf is None:
+        shape = list(part.shape)
+        shape[g.out_dim] = g.global_extent
+        # Derive zeros from `part` so the buffer varies over the same mesh axes.
+        buf = jnp.zeros_like(part, shape=shape)
+      return lax.dynamic_update_slice_in_dim(buf, part, start, axis=g.out_dim)
+
+    buf = ring_all_gather(moving, move_dim, gather[1], gather[2], ksplit, bidirectional,
+                          consume)
+    out = lax.psum_scatter(buf, scatter[1], scatter_dimension=g.out_dim, tiled=True)
+  else:                    # the plain all-gather, then a reduce-scatter ring
+    full = lax.all_gather(moving, gather[1], axis=move_dim, tiled=True)
+
+    def produce(start, size):
+      return multiply(lax.dynamic_slice_in_dim(full, start, size, axis=move_dim))
+
+    out = ring_reduce_scatter(produce, scatter[1], scatter[2], g.global_extent // scatter[2],
+                              g.out_dim, ksplit, bidirectional, out_dtype)
+  return _finish(g, out, lhs, rhs)

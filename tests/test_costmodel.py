@@ -1,0 +1,468 @@
+"""The cost model: formulas against hand-derived numbers, the autotuner's choices,
+determinism, hardware profiles and traces. No JAX needed."""
+import dataclasses
+import doctest
+import json
+
+import pytest
+
+from meshslice.costmodel import autotune, profiles, timeline, timing
+from meshslice.costmodel.autotune import (Choice, best_plan, mesh_shapes, model_spec,
+                                          recommend_mesh, transformer_problems,
+                                          valid_ksplits, variants)
+from meshslice.costmodel.profiles import (CollectiveParams, GemmEfficiency, HardwareProfile,
+                                          known_profiles, load_profile, save_profile)
+from meshslice.costmodel.timeline import trace_events, write_trace
+from meshslice.costmodel.timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem,
+                                        all_reduce_time, collective_time, gemm_time,
+                                        lower_bound, permute_time, predict, schedule,
+                                        why_invalid)
+
+approx = lambda x: pytest.approx(x, rel=1e-12, abs=1e-15)
+
+
+def _pair(a, b=None):
+  return (a, a if b is None else b)
+
+
+# Distinct numbers per dim and per kind, so a mixed-up axis or kind shows up.
+PROF = HardwareProfile(
+    name="test", peak_flops=1e12,
+    all_gather=CollectiveParams(bandwidth=(1e9, 2e9), hop_latency=(1e-6, 2e-6),
+                                base_overhead=(1e-5, 2e-5)),
+    reduce_scatter=CollectiveParams(bandwidth=(0.5e9, 1e9), hop_latency=(1e-6, 2e-6),
+                                    base_overhead=(3e-5, 4e-5)),
+    permute=CollectiveParams(bandwidth=(2e9, 4e9), hop_latency=_pair(5e-6),
+                             base_overhead=_pair(1e-5)),
+    # Saturation at 1 element: every matmul runs at peak.
+    gemm=GemmEfficiency(max_efficiency=1.0, m_sat=1, n_sat=1, k_sat=1))
+
+# The OS / Wang / SUMMA example: X[2000, 4000] . W[4000, 4000] on a 2 x 4 mesh.
+# X shard (m/R)(k/C) = 1000 * 1000 * 2 B = 2e6 B (col link, dim 1, n = 4);
+# W shard (k/R)(n/C) = 2000 * 1000 * 2 B = 4e6 B (row link, dim 0, n = 2).
+OS = GemmProblem(m=2000, n=4000, k=4000, rows=2, cols=4, in_bytes=2, out_bytes=4)
+
+
+# ------------------------------------------------------------------------------ formulas
+
+def test_collective_time_formula():
+  # base + (n-1) b / bw + (n-1) hop on dim 1: 2e-5 + 3 * 2e6 / 2e9 + 3 * 2e-6 = 3.026e-3
+  assert collective_time(PROF, "all_gather", 1, 4, 2e6) == approx(3.026e-3)
+  # reduce-scatter on dim 0: 3e-5 + 1 * 1e6 / 0.5e9 + 1 * 1e-6 = 2.031e-3
+  assert collective_time(PROF, "reduce_scatter", 0, 2, 1e6) == approx(2.031e-3)
+  # a size-1 axis issues no collective
+  assert collective_time(PROF, "all_gather", 0, 1, 1e9) == 0.0
+
+
+def test_permute_and_all_reduce_formulas():
+  # permute dim 1, 3 hops: 1e-5 + 2e6 / 4e9 + 3 * 5e-6 = 5.25e-4
+  assert permute_time(PROF, 1, 2e6, hops=3) == approx(5.25e-4)
+  # all-reduce of 4e6 B on dim 1, n = 4 = reduce-scatter + all-gather of 1e6 B:
+  #   (4e-5 + 3 * 1e6 / 1e9 + 3 * 2e-6) + (2e-5 + 3 * 1e6 / 2e9 + 3 * 2e-6)
+  #   = 3.046e-3 + 1.526e-3
+  assert all_reduce_time(PROF, 1, 4, 4e6) == approx(4.572e-3)
+  assert all_reduce_time(PROF, 1, 1, 4e6) == 0.0
+
+
+def test_gemm_efficiency_and_time():
+  eff = GemmEfficiency(max_efficiency=0.8, m_sat=256, n_sat=256, k_sat=256)
+  # 0.8 * min(1, 128/256) * min(1, 512/256) * min(1, 64/256) = 0.8 * 0.5 * 1 * 0.25
+  assert eff(128, 512, 64) == approx(0.1)
+  prof = dataclasses.replace(PROF, gemm=eff)
+  # 2 * 3 (batch) * 128 * 512 * 64 = 25165824 FLOP at 1e12 * 0.1 FLOP/s
+  assert gemm_time(prof, 128, 512, 64, batch=3) == approx(25165824 / 1e11)
+  # full efficiency once saturated: 2 * 1000^3 / (1e12 * 0.8) = 2.5e-3
+  assert gemm_time(prof, 1000, 1000, 1000) == approx(2.5e-3)
+
+
+def test_collective_os_by_hand():
+  # all-gather X (dim 1): 2e-5 + 3 * 2e6 / 2e9 + 3 * 2e-6 = 3.026e-3
+  # all-gather W (dim 0): 1e-5 + 4e6 / 1e9 + 1e-6      = 4.011e-3   (the two links overlap)
+  # matmul (1000, 1000, 4000): 8e9 FLOP / 1e12         = 8e-3
+  # total = 4.011e-3 + 8e-3, nothing hidden
+  c = predict(OS, "collective", "os", 1, PROF)
+  assert c == Cost(compute_s=approx(8e-3), comm_s=approx(4.011e-3),
+                   exposed_comm_s=approx(4.011e-3), total_s=approx(12.011e-3))
+
+
+def test_meshslice_os_by_hand():
+  # S = 2: X slice 2e-5 + 3 * 1e6 / 2e9 + 6e-6 = 1.526e-3; W slice 1e-5 + 2e6 / 1e9 + 1e-6
+  # = 2.011e-3 -> comm_slice = 2.011e-3; compute_slice = 4e-3.
+  # prologue + (S-1) max(comm, compute) + compute = 2.011e-3 + 4e-3 + 4e-3
+  c = predict(OS, "meshslice", "os", 2, PROF)
+  assert c.total_s == approx(10.011e-3)
+  assert c.compute_s == approx(8e-3)
+  assert c.comm_s == approx(2 * 2.011e-3)
+  assert c.exposed_comm_s == approx(2.011e-3)
+
+
+def test_meshslice_ls_by_hand():
+  p = GemmProblem(m=2000, n=4000, k=4000, rows=2, cols=4, in_bytes=2, out_bytes=4)
+  # W shard (k/C)(n/R) * 2 = 1000 * 2000 * 2 = 4e6 B (row, dim 0, n = 2)
+  # Y shard (m/R)(n/C) * 4 = 1000 * 1000 * 4 = 4e6 B (col, dim 1, n = 4, reduce-scatter)
+  # collective: AG 1e-5 + 4e6/1e9 + 1e-6 = 4.011e-3; matmul (1000, 4000, 1000) = 8e-3;
+  #             RS 4e-5 + 3 * 4e6 / 1e9 + 3 * 2e-6 = 12.046e-3     -> 24.057e-3
+  assert predict(p, "collective", "ls", 1, PROF).total_s == approx(24.057e-3)
+  # S = 2: AG slice 2.011e-3, RS slice 4e-5 + 3 * 2e6 / 1e9 + 6e-6 = 6.046e-3, matmul 4e-3
+  # stages: [AG0] 2.011, [mm0 | AG1] 4, [mm1 | RS0] 6.046, [RS1] 6.046  -> 18.103e-3
+  c = predict(p, "meshslice", "ls", 2, PROF)
+  assert c.total_s == approx(18.103e-3)
+  assert c.exposed_comm_s == approx(18.103e-3 - 8e-3)
+
+
+def test_one_d_all_gather_matmul_by_hand():
+  p = GemmProblem.one_d(m=4000, n=1000, k=1000, size=4, collective="all_gather")
+  assert (p.rows, p.cols, p.row_profile_dim, p.col_profile_dim) == (1, 4, 1, 1)
+  # rs dataflow with R = 1: X shard (m/C)(k) * 2 = 2e6 B gathered on dim 1;
+  # AG 2e-5 + 3e-3 + 6e-6 = 3.026e-3; matmul (4000, 250, 1000) = 2e9 FLOP = 2e-3; no RS.
+  assert predict(p, "collective", "rs", 1, PROF).total_s == approx(5.026e-3)
+  # S = 2: AG slice 1.526e-3, matmul slice 1e-3: 1.526 + max(1, 1.526) + 1 = 4.052e-3
+  assert predict(p, "meshslice", "rs", 2, PROF).total_s == approx(4.052e-3)
+  q = GemmProblem.one_d(m=4000, n=1000, k=1000, size=4, collective="reduce_scatter",
+                        profile_dim=0)
+  # rs with C = 1: matmul (4000, 1000, 250) = 2e-3, then RS of Y shard
+  # (m/R)(n) * 2 = 2e6 B on dim 0: 3e-5 + 3 * 2e6 / 0.5e9 + 3 * 1e-6 = 12.033e-3
+  assert predict(q, "collective", "rs", 1, PROF).total_s == approx(14.033e-3)
+
+
+def test_cannon_by_hand():
+  p = GemmProblem(m=2000, n=2000, k=2000, rows=2, cols=2)
+  # blocks of 1000 x 1000 * 2 B = 2e6 B; skew = permute over floor(2/2) = 1 hop:
+  #   X (dim 1): 1e-5 + 2e6/4e9 + 5e-6 = 5.15e-4, W (dim 0): 1e-5 + 2e6/2e9 + 5e-6 = 1.015e-3
+  # 2 steps of matmul (1000, 1000, 1000) = 2e-3, the shifts (<= 1.015e-3) hide under step 0
+  # total = 1.015e-3 + 2e-3 + 2e-3
+  assert predict(p, "cannon", "os", 1, PROF).total_s == approx(5.015e-3)
+  with pytest.raises(ValueError, match=r"cannon needs a square mesh \(R == C\), got R=2, C=4"):
+    predict(OS, "cannon", "os", 1, PROF)
+
+
+def test_cannon_ls_by_hand():
+  p = GemmProblem(m=2000, n=2000, k=2000, rows=2, cols=2, out_bytes=4)
+  # W moves over row (block 1000 x 1000 * 2 B = 2e6 B, dim 0), partial Y over col
+  # (1000 x 1000 * 4 B = 4e6 B, dim 1); q = 2, every transfer 1 hop.
+  # S = 1: skew W 1e-5 + 2e6/2e9 + 5e-6 = 1.015e-3; [mm 2e-3 | shift W 1.015e-3];
+  #        [mm 2e-3 | pass Y 1e-5 + 4e6/4e9 + 5e-6 = 1.015e-3]; unskew Y 1.015e-3
+  assert predict(p, "cannon", "ls", 1, PROF).total_s == approx(1.015e-3 + 2e-3 + 2e-3 + 1.015e-3)
+  # S = 2: chunks of half the bytes (5.15e-4 per transfer), matmuls of 1e-3:
+  #   skew 1.015e-3, then 4 stages of 1e-3 (transfers hidden), then the last unskew 5.15e-4
+  s = schedule(p, "cannon", "ls", 2, PROF)
+  assert s.cost().total_s == approx(1.015e-3 + 4e-3 + 5.15e-4)
+  assert [[op.name for op in st.ops] for st in s.stages] == [
+      ["skew W"], ["matmul", "shift W chunk"], ["matmul", "shift W chunk", "shift Y partial"],
+      ["matmul", "shift Y partial"], ["matmul", "unskew Y partial"], ["unskew Y partial"]]
+
+
+def test_wang_by_hand():
+  # Default ring: the larger axis, col (C = 4): plain AG W first (4.011e-3), then 4
+  # stages of matmul (1000, 1000, 1000) = 2e-3, 3 of them beside a permute of X's 2e6 B
+  # (1e-5 + 5e-4 + 5e-6 = 5.15e-4): 4.011e-3 + 4 * 2e-3
+  s = schedule(OS, "wang", "os", 1, PROF)
+  assert s.cost().total_s == approx(12.011e-3)
+  assert s.note == "unidirectional ring over col (X), 1 chunk per block"
+  # ring over row: plain AG X first (3.026e-3), then 2 matmuls (1000, 1000, 2000) = 4e-3,
+  # the first beside a permute of W's 4e6 B (1e-5 + 2e-3 + 5e-6 = 2.015e-3)
+  assert predict(OS, "wang", "os", 1, PROF, ring="row").total_s == approx(11.026e-3)
+  # With 10x the FLOP/s the ring is bound by the permute; bidirectional halves it:
+  fast = dataclasses.replace(PROF, peak_flops=1e13)
+  # unidirectional: 3.026e-3 + max(0.4e-3, 2.015e-3) + 0.4e-3
+  assert predict(OS, "wang", "os", 1, fast, ring="row").total_s == approx(5.441e-3)
+  # bidirectional: halves of 2e6 B each way (1e-5 + 1e-3 + 5e-6 = 1.015e-3), two
+  # half-size matmuls per stage (2 * 0.2e-3): 3.026e-3 + 1.015e-3 + 0.4e-3
+  assert predict(OS, "wang", "os", 1, fast, ring="row",
+                 bidirectional=True).total_s == approx(4.441e-3)
+
+
+def test_wang_reduce_scatter_ring_by_hand():
+  p = GemmProblem(m=2000, n=4000, k=4000, rows=2, cols=4, out_bytes=4)
+  # ls, ring over col = the reduce-scatter of Y (4e6 B shard, dim 1): plain AG W first
+  # (1e-5 + 4e6/1e9 + 1e-6 = 4.011e-3); 4 matmuls (1000, 1000, 1000) = 2e-3, the last 3
+  # beside a permute of the accumulated 4e6 B (1e-5 + 4e6/4e9 + 5e-6 = 1.015e-3)
+  assert predict(p, "wang", "ls", 1, PROF).total_s == approx(4.011e-3 + 4 * 2e-3)
+  # a 512-device ring with 16 chunks per block is still a handful of stages
+  big = GemmProblem(m=2048, n=8192, k=8192, rows=2, cols=512)
+  assert len(schedule(big, "wang", "ls", 16, PROF).stages) <= 4
+
+
+def test_summa_by_hand():
+  # P = lcm(2, 4) = 4 panels of k/4 = 1000; each broadcast is a masked psum (all-reduce).
+  # X panel (m/R)(k/P) * 2 = 2e6 B on dim 1 (n = 4): RS + AG of 0.5e6 B
+  #   = (4e-5 + 3 * 0.5e6/1e9 + 6e-6) + (2e-5 + 3 * 0.5e6/2e9 + 6e-6) = 1.546e-3 + 0.776e-3
+  # W panel (k/P)(n/C) * 2 = 2e6 B on dim 0 (n = 2): RS + AG of 1e6 B
+  #   = (3e-5 + 1e6/0.5e9 + 1e-6) + (1e-5 + 1e6/1e9 + 1e-6) = 2.031e-3 + 1.011e-3
+  # matmul per panel (1000, 1000, 1000) = 2e-3
+  # total = 3.042e-3 + 3 * max(2e-3, 3.042e-3) + 2e-3
+  assert predict(OS, "summa", "os", 1, PROF).total_s == approx(14.168e-3)
+  # ksplit = 2: 8 panels of half the bytes and half the FLOPs (matmul 1e-3);
+  # the W panel broadcast is the slowest stream:
+  w = (3e-5 + 0.5e6 / 0.5e9 + 1e-6) + (1e-5 + 0.5e6 / 1e9 + 1e-6)   # 1.542e-3
+  assert predict(OS, "summa", "os", 2, PROF).total_s == approx(w + 7 * w + 1e-3)
+
+
+def test_lower_bound_by_hand():
+  # compute: the unsliced matmul (1000, 1000, 4000) = 8e-3
+  # best bandwidth per link: max(collective, 2 x permute (both directions))
+  # col link: 3 * 2e6 B at max(2e9, 8e9) = 0.75e-3; row: 1 * 4e6 B at max(1e9, 4e9) = 1e-3
+  b = lower_bound(OS, PROF, "os")
+  assert b == Cost(compute_s=approx(8e-3), comm_s=approx(1e-3), exposed_comm_s=0.0,
+                   total_s=approx(8e-3))
+  assert lower_bound(OS, PROF).total_s <= b.total_s
+
+
+PROBLEMS = [OS, GemmProblem(m=4096, n=1024, k=2048, rows=4, cols=4, out_bytes=4),
+            GemmProblem(m=512, n=8192, k=1024, rows=8, cols=2, batch=3)]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("profile", [PROF, "tpu-v4", "h100"])
+def test_every_algorithm_respects_the_lower_bound(problem, profile):
+  for dataflow in DATAFLOWS:
+    bound = lower_bound(problem, profile, dataflow).total_s
+    for algorithm in ALGORITHMS:
+      for options in variants(problem, algorithm):
+        for ksplit in (1, 2, 4):
+          if why_invalid(problem, algorithm, dataflow, ksplit, **options):
+            continue
+          cost = predict(problem, algorithm, dataflow, ksplit, profile, **options)
+          assert cost.total_s >= bound * (1 - 1e-12), (algorithm, dataflow, ksplit, options)
+
+
+@pytest.mark.parametrize("dataflow", DATAFLOWS)
+def test_meshslice_with_one_slice_is_the_collective_algorithm(dataflow):
+  for p in PROBLEMS:
+    assert predict(p, "meshslice", dataflow, 1, "tpu-v4") == predict(p, "collective", dataflow,
+                                                                     1, "tpu-v4")
+    c = predict(p, "collective", dataflow, 1, "tpu-v4")
+    assert c.total_s == approx(c.compute_s + c.comm_s)
+
+
+def test_invalid_combinations_are_errors_with_reasons():
+  assert why_invalid(OS, "meshslice", "os", 3) == (
+      "ksplit=3 needs ksplit * lcm(R, C) = 12 to divide the communicated extent k=4000")
+  assert why_invalid(OS, "collective", "os", 2) == (
+      "collective does not slice; ksplit must be 1, got 2")
+  assert why_invalid(OS, "meshslice", "os", 1, ring="row") == (
+      "meshslice takes no options; got option 'ring'")
+  assert why_invalid(OS, "wang", "os", 1, ring="diag") == (
+      "wang: ring must be 'row', 'col' or None, got 'diag'")
+  # ring over row (R = 2): block k / R = 2000, 2 * 3 = 6 does not divide it
+  assert why_invalid(OS, "wang", "os", 3, ring="row", bidirectional=True) == (
+      "wang: 2 * ksplit = 6 must divide the ring block k / R = 2000")
+  one_d = GemmProblem.one_d(m=64, n=64, k=64, size=4, collective="all_gather")
+  assert why_invalid(one_d, "summa", "rs", 1) == (
+      "summa needs a 2D site (both mesh axes > 1), got a 1x4 mesh")
+  assert why_invalid(GemmProblem(m=3, n=8, k=8, rows=2, cols=4), "collective", "os", 1) == (
+      "dataflow 'os' on a 2x4 mesh shards m=3 into 2 parts, which does not divide it")
+  with pytest.raises(ValueError, match="algorithm must be one of"):
+    predict(OS, "fox", "os", 1, PROF)
+  with pytest.raises(ValueError, match="dataflow must be one of"):
+    predict(OS, "collective", "xs", 1, PROF)
+  with pytest.raises(ValueError, match="rows must be a positive int, got 0"):
+    GemmProblem(m=1, n=1, k=1, rows=0, cols=1)
+
+
+def test_cost_arithmetic():
+  a = Cost(compute_s=1.0, comm_s=2.0, exposed_comm_s=0.5, total_s=1.5)
+  assert a + a == Cost(compute_s=2.0, comm_s=4.0, exposed_comm_s=1.0, total_s=3.0)
+  assert sum([a, a, a]) == 3 * a == a * 3
+  assert Cost() + a == a
+
+
+# ------------------------------------------------------------------------------ autotuner
+
+def test_autotuner_slices_when_comm_matters_and_slicing_is_free():
+  # No per-collective fixed cost and full efficiency: every extra slice hides more.
+  free = dataclasses.replace(PROF, all_gather=dataclasses.replace(
+      PROF.all_gather, hop_latency=(0.0, 0.0), base_overhead=(0.0, 0.0)))
+  c = best_plan(OS, free, dataflows=("os",), max_ksplit=10)
+  assert (c.algorithm, c.ksplit) == ("meshslice", 10)   # 10 * lcm = 40 divides k = 4000
+  assert c.cost.total_s < c.baseline.total_s
+
+
+def test_autotuner_keeps_one_slice_when_compute_is_tiny():
+  tiny = GemmProblem(m=64, n=64, k=64, rows=2, cols=2)
+  c = best_plan(tiny, "tpu-v4", dataflows=("os",))
+  # meshslice with S = 1 ties with collective; the fixed order prefers collective.
+  assert (c.algorithm, c.ksplit) == ("collective", 1)
+  assert c.cost == c.baseline
+
+
+def test_autotuner_slices_less_as_overheads_grow():
+  p = GemmProblem(m=65536, n=12288, k=12288, rows=8, cols=8)
+  chosen = []
+  for base in (0.0, 1e-4, 1e-3, 1e-2):
+    prof = dataclasses.replace(load_profile("tpu-v4"), all_gather=dataclasses.replace(
+        load_profile("tpu-v4").all_gather, base_overhead=(base, base)))
+    chosen.append(best_plan(p, prof, dataflows=("os",)).ksplit)
+  assert chosen == sorted(chosen, reverse=True) and chosen[0] > 1 and chosen[-1] == 1
+
+
+def test_autotuner_is_deterministic():
+  p = GemmProblem(m=65536, n=12288, k=36864, rows=4, cols=16)
+  a = best_plan(p, "tpu-v4", algorithms=ALGORITHMS)
+  b = best_plan(p, load_profile("tpu-v4"), algorithms=tuple(reversed(ALGORITHMS)),
+                dataflows=("rs", "ls", "os"))
+  assert isinstance(a, Choice) and repr(a) == repr(b)
+  r1 = recommend_mesh(64, model="custom", heads=16, head_dim=64, seq=512)
+  r2 = recommend_mesh(64, model="custom", heads=16, head_dim=64, seq=512)
+  assert r1.to_json() == r2.to_json() and repr(r1) == repr(r2)
+
+
+def test_valid_ksplits_and_best_plan_errors():
+  p = GemmProblem(m=64, n=64, k=96, rows=2, cols=4)
+  assert valid_ksplits(p, "os", 16) == (1, 2, 3, 4, 6, 8, 12)
+  assert valid_ksplits(p, "os", 16, min_block=4) == (1, 2, 3, 4, 6)   # B = 96 / (4 S) >= 4
+  with pytest.raises(ValueError, match=r"no candidate can run .* cannon/os: cannon needs a "
+                                       r"square mesh"):
+    best_plan(p, PROF, dataflows=("os",), algorithms=("cannon",))
+  with pytest.raises(ValueError, match="algorithms must be drawn from"):
+    best_plan(p, PROF, algorithms=("meshslice", "fox"))
+
+
+def test_transformer_problems_shapes():
+  ps = transformer_problems("gpt3", 16, (4, 4))
+  h, t = 12288, 16 * 2048
+  got = {lp.label: (lp.dataflow, lp.problem.m, lp.problem.n, lp.problem.k) for lp in ps}
+  assert got["qkv/forward"] == ("os", t, 3 * h, h)
+  assert got["mlp_down/backward_data"] == ("ls", t, 4 * h, h)
+  assert got["mlp_up/backward_weight"] == ("rs", h, 4 * h, t)
+  assert got["attn_out/forward"] == ("os", t, h, h)
+  assert len(ps) == 12
+  assert model_spec("megatron").hidden == 20480
+  with pytest.raises(ValueError, match="model 'custom' needs heads, head_dim"):
+    transformer_problems("custom", 16, (4, 4), seq=128)
+  with pytest.raises(ValueError, match=r"mesh_shape must be a pair \(R, C\) with R \* C = "
+                                       r"chips = 16, got \(4, 2\)"):
+    transformer_problems("gpt3", 16, (4, 2))
+
+
+def test_recommend_mesh_result():
+  rec = recommend_mesh(16, model="custom", heads=8, head_dim=64, seq=256, profile="tpu-v4")
+  assert [r.shape for r in rec.results] == [(2, 8), (4, 4), (8, 2)] == list(mesh_shapes(16))
+  assert rec.best in rec.results and rec.best_shape == rec.best.shape
+  assert rec.best.cost.total_s == min(r.cost.total_s for r in rec.results)
+  for r in rec.results:
+    assert len(r.layers) == 12
+    assert r.cost.total_s == approx(sum(lc.choice.cost.total_s for lc in r.layers))
+    assert r.bound.total_s <= r.cost.total_s <= r.baseline.total_s
+  json.loads(rec.to_json())
+
+
+@pytest.mark.parametrize("chips,message", [
+    (7, "chips=7 has no 2D mesh shape (R * C = 7 with R, C >= 2): 7 is prime; use a "
+        "composite chip count such as 8"),
+    (2, "chips=2 has no 2D mesh shape (R * C = 2 with R, C >= 2): 2 < 4; use a composite "
+        "chip count such as 4"),
+    (0, "chips must be a positive int, got 0"),
+    (-8, "chips must be a positive int, got -8"),
+    ("8", "chips must be a positive int, got '8'"),
+])
+def test_chips_without_a_2d_mesh(chips, message):
+  with pytest.raises(ValueError) as e:
+    recommend_mesh(chips)
+  assert str(e.value) == message
+
+
+def test_recommend_mesh_reports_infeasible_shapes():
+  # hidden 48 (3H = 144): a 32-way split fails for the meshes 2 x 32 and 32 x 2.
+  rec = recommend_mesh(64, model="custom", heads=3, head_dim=16, seq=128)
+  bad = {r.shape: r.reason for r in rec.results if not r.feasible}
+  assert set(bad) == {(2, 32), (32, 2)}
+  assert "qkv/forward: no candidate can run" in bad[(2, 32)]
+  assert rec.best.feasible
+
+
+# ------------------------------------------------------------------------------ profiles
+
+def test_shipped_profiles_load_and_round_trip(tmp_path):
+  assert set(known_profiles()) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"}
+  for name in known_profiles():
+    p = load_profile(name)
+    assert p.name == name
+    save_profile(p, tmp_path / f"{name}.json")
+    assert load_profile(tmp_path / f"{name}.json") == p
+    assert load_profile(str(tmp_path / f"{name}.json")) == p
+    assert "units" in json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_tpu_v4_is_the_published_calibration():
+  p = load_profile("tpu-v4")
+  assert p.peak_flops == 2.66e14
+  assert p.all_gather == CollectiveParams(bandwidth=(27.472e9, 79.751e9),
+                                          hop_latency=_pair(5e-6), base_overhead=_pair(13e-6))
+  assert p.reduce_scatter == CollectiveParams(bandwidth=(37.506e9, 63.167e9),
+                                              hop_latency=_pair(5e-6),
+                                              base_overhead=_pair(26e-6))
+  assert p.permute == CollectiveParams(bandwidth=(38.801e9, 35.224e9),
+                                       hop_latency=_pair(5e-5), base_overhead=_pair(13e-6))
+
+
+def test_unknown_profile_name_lists_known_ones():
+  with pytest.raises(ValueError) as e:
+    load_profile("tpu-v9")
+  assert str(e.value) == ("unknown hardware profile 'tpu-v9'; known profiles: cpu, h100, "
+                          "tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e (or pass the path of a profile "
+                          "JSON file)")
+
+
+def _broken(tmp_path, edit):
+  data = load_profile("tpu-v4").to_json_dict()
+  edit(data)
+  path = tmp_path / "broken.json"
+  path.write_text(json.dumps(data))
+  return path
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["collectives"].pop("permute"), "missing field 'collectives.permute'"),
+    (lambda d: d["gemm_efficiency"].pop("k_sat"), "missing field 'gemm_efficiency.k_sat'"),
+    (lambda d: d.update(peak_flops="fast"), "field 'peak_flops' must be a number, got 'fast'"),
+    (lambda d: d["collectives"]["all_gather"].update(hop_latency=[5e-6, -1.0]),
+     "field 'collectives.all_gather.hop_latency[1]' must be >= 0 (no negative values), "
+     "got -1.0"),
+    (lambda d: d["collectives"]["reduce_scatter"].update(bandwidth=[1e9]),
+     "field 'collectives.reduce_scatter.bandwidth' must be a pair [mesh dim 0, mesh dim 1], "
+     "got [1000000000.0]"),
+    (lambda d: d["collectives"]["permute"].update(bandwidth=[0, 1e9]),
+     "field 'collectives.permute.bandwidth[0]' must be > 0, got 0"),
+    (lambda d: d["gemm_efficiency"].update(max_efficiency=1.5),
+     "field 'gemm_efficiency.max_efficiency' must be <= 1.0, got 1.5"),
+    (lambda d: d.update(name=True), "field 'name' must be a non-empty string, got True"),
+])
+def test_malformed_profile_names_file_and_field(tmp_path, edit, message):
+  path = _broken(tmp_path, edit)
+  with pytest.raises(ValueError) as e:
+    load_profile(path)
+  assert str(e.value) == f"hardware profile {str(path)!r}: {message}"
+
+
+def test_profile_file_that_is_not_json_or_missing(tmp_path):
+  path = tmp_path / "bad.json"
+  path.write_text("{ not json")
+  with pytest.raises(ValueError, match=r"hardware profile '.*bad.json': not valid JSON"):
+    load_profile(path)
+  with pytest.raises(ValueError, match=r"hardware profile '.*nope.json': cannot read it"):
+    load_profile(tmp_path / "nope.json")
+
+
+# ------------------------------------------------------------------------------ timeline
+
+def test_trace_events_follow_the_schedule(tmp_path):
+  s = schedule(OS, "meshslice", "os", 2, PROF)
+  events = trace_events([("site a", s), ("site b", s)])
+  spans = [e for e in events if e["ph"] == "X"]
+  site_spans = [e for e in spans if e["tid"] == 3]
+  # two sites end to end, each 10.011 ms (see test_meshslice_os_by_hand)
+  assert [(e["name"], e["ts"], e["dur"]) for e in site_spans] == [
+      ("site a", 0.0, 10011.0), ("site b", 10011.0, 10011.0)]
+  matmuls = [(e["ts"], e["dur"]) for e in spans if e["tid"] == 0]
+  assert matmuls[:2] == [(2011.0, 4000.0), (6011.0, 4000.0)]
+  gathers_w = [(e["ts"], e["dur"]) for e in spans if e["tid"] == 1][:2]
+  assert gathers_w == [(0.0, 2011.0), (2011.0, 2011.0)]
+  write_trace(tmp_path / "t.json", events)
+  assert json.loads((tmp_path / "t.json").read_text())["traceEvents"] == events
+
+
+@pytest.mark.parametrize("module", [profiles, timing, autotune, timeline],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+  assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
