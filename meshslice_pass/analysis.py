@@ -336,15 +336,17 @@ def _fill_operand(dimension_numbers, known_spec, out_spec, unknown_ndim, unknown
   for a, b in zip(mine_b, other_b):
     entries[a] = known_spec[b]
   free = [d for d in range(unknown_ndim) if d not in mine_c and d not in mine_b]
+  # contracting and batch dims first: they must agree with the known operand; a free
+  # dim takes the result's axis only where that axis is still unused
+  used = {a for e in entries for a in e}
   if out_spec is not None:
     offset = len(lb) + (0 if unknown_is_lhs else len(out_spec) - len(lb) - len(free))
     for k, d in enumerate(free):
-      entries[d] = out_spec[offset + k]
-  used, result = set(), []
-  for e in entries:
-    result.append(() if set(e) & used else e)
-    used.update(e)
-  return tuple(result)
+      entry = out_spec[offset + k]
+      if not set(entry) & used:
+        entries[d] = entry
+        used.update(entry)
+  return tuple(entries)
 
 
 @rule("dot_general")

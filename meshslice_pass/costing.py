@@ -17,6 +17,11 @@ from meshslice import costmodel
 AUTO_ALGORITHMS = ("collective", "meshslice")
 
 
+def model_dataflow(dataflow: str) -> str:
+  """The cost model predicts 1D sites as the 2D formulas with one axis of size 1 ("rs")."""
+  return "rs" if dataflow.startswith("1d") else dataflow
+
+
 def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, out_dtype,
                 axis_sizes) -> costmodel.GemmProblem:
   """The site as the cost model sees it. Dims split over extra mesh axes (data, fsdp)
@@ -24,7 +29,8 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
   (lc, rc), (lb, rb) = geometry.dimension_numbers
   lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
   rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
-  tp = {geometry.row_axis, geometry.col_axis}
+  one_d = not hasattr(geometry, "row_axis")
+  tp = {geometry.axis} if one_d else {geometry.row_axis, geometry.col_axis}
 
   def size(shape, spec, dims):
     total = 1
@@ -33,21 +39,25 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
       total *= shape[d] // extra
     return total
 
+  sizes = dict(m=size(lhs_shape, lhs_spec, lf), n=size(rhs_shape, rhs_spec, rf),
+               k=size(lhs_shape, lhs_spec, lc), batch=size(lhs_shape, lhs_spec, lb),
+               in_bytes=jnp.dtype(lhs_dtype).itemsize, out_bytes=jnp.dtype(out_dtype).itemsize)
   mesh_order = list(axis_sizes)
+  if one_d:
+    return costmodel.GemmProblem.one_d(
+        size=geometry.axis_size, collective=geometry.kind,
+        profile_dim=min(mesh_order.index(geometry.axis), 1), **sizes)
   row_first = mesh_order.index(geometry.row_axis) < mesh_order.index(geometry.col_axis)
   return costmodel.GemmProblem(
-      m=size(lhs_shape, lhs_spec, lf), n=size(rhs_shape, rhs_spec, rf),
-      k=size(lhs_shape, lhs_spec, lc), batch=size(lhs_shape, lhs_spec, lb),
       rows=geometry.row_size, cols=geometry.col_size,
-      in_bytes=jnp.dtype(lhs_dtype).itemsize, out_bytes=jnp.dtype(out_dtype).itemsize,
-      row_profile_dim=0 if row_first else 1, col_profile_dim=1 if row_first else 0)
+      row_profile_dim=0 if row_first else 1, col_profile_dim=1 if row_first else 0, **sizes)
 
 
 def predict(problem, profile, algorithm, dataflow, ksplit) -> float:
   return float(costmodel.predict(problem, algorithm, dataflow, ksplit, profile).total_s)
 
 
-def choose(problem, profile, geometry, *, algorithms, ksplits):
+def choose(problem, profile, dataflow, *, algorithms, ksplits):
   """(algorithm, ksplit, predicted seconds) of the fastest candidate.
 
   `ksplits` are the slice counts the site's geometry can realise exactly; the cost
@@ -55,9 +65,9 @@ def choose(problem, profile, geometry, *, algorithms, ksplits):
   best = None
   for algorithm in algorithms:
     for ksplit in ((1,) if algorithm == "collective" else ksplits):
-      if costmodel.why_invalid(problem, algorithm, geometry.dataflow, ksplit):
+      if costmodel.why_invalid(problem, algorithm, dataflow, ksplit):
         continue
-      seconds = predict(problem, profile, algorithm, geometry.dataflow, ksplit)
+      seconds = predict(problem, profile, algorithm, dataflow, ksplit)
       if best is None or seconds < best[2]:
         best = (algorithm, ksplit, seconds)
   return best

@@ -116,13 +116,10 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
                                    "pattern (needs resharding GSPMD would insert)")
 
   tp_axes = [a for a, *_ in os_row + os_col + cross]
-  if not tp_axes:
-    if len(shared_k) == 1 or passthrough:
-      involved = sorted({a for a, *_ in shared_k} | set(passthrough))
-      return Classification(reason=f"1D-sharded matmul: only axis {', '.join(involved)} is "
-                                   "involved; 2D rewriting needs two axes")
-    return Classification(reason="only contraction dims are split: a plain all-reduce")
-
+  if not tp_axes and not shared_k:
+    involved = ", ".join(sorted(set(passthrough)))
+    return Classification(reason=f"no communication needed: axis {involved} splits only one "
+                                 "operand's free dims (runs locally)")
   def out_spec(m_override=None, n_override=None):
     out = [lhs_spec[d] for d in lb]
     for d in lf:
@@ -134,8 +131,16 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
   def out_position(operand, d):
     return nbatch + (lf.index(d) if operand == "lhs" else len(lf) + rf.index(d))
 
+  def largest(axes):
+    return max(axes, key=lambda t: (axis_sizes[t[0]], -list(axis_sizes).index(t[0])))
+
   matches = []
   if os_row or os_col:
+    if not cross and len(os_row) + len(os_col) == 1:
+      ax = (os_row or os_col)[0][0]
+      side = "rhs K" if os_row else "lhs K"
+      return Classification(reason=f"1D pattern not rewritten: axis {ax!r} splits a free dim "
+                                   f"and {side}, so GSPMD gathers a contracting dim")
     if cross or len(os_row) != 1 or len(os_col) != 1:
       return Classification(reason="mixed sharding: parts of the OS pattern without the "
                                    "rest (each of r and c must split one dim of each operand)")
@@ -146,17 +151,25 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
     matches.append(Match(dataflow="os", row_axis=r, col_axis=c, lhs_dim=lk, rhs_dim=rk,
                          out_dim=None, global_extent=lhs_shape[lk],
                          reduce_axes=tuple(a for a, *_ in shared_k), out_spec=out_spec()))
-  else:
-    if len(cross) != 1:
-      return Classification(reason=f"axes {[a for a, *_ in cross]} split both M and N; "
-                                   "at most one can move")
-    if not shared_k:
-      a = cross[0][0]
-      return Classification(reason=f"1D-sharded matmul: only axis {a!r} (on M and N) is "
-                                   "involved; 2D rewriting needs two axes")
+  elif len(cross) > 1:
+    return Classification(reason=f"axes {[a for a, *_ in cross]} split both M and N; "
+                                 "at most one can move")
+  elif cross and not shared_k:
+    # 1D all-gather (sequence-parallel input of a Megatron block): one operand's free dim
+    # is gathered; which one depends on the output layout the program wants.
+    a, m_dim, n_dim = cross[0]
+    matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=m_dim,
+                         rhs_dim=None, out_dim=out_position("lhs", m_dim),
+                         global_extent=lhs_shape[m_dim], reduce_axes=(),
+                         out_spec=out_spec(m_override=(m_dim, ()))))
+    matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=None,
+                         rhs_dim=n_dim, out_dim=out_position("rhs", n_dim),
+                         global_extent=rhs_shape[n_dim], reduce_axes=(),
+                         out_spec=out_spec(n_override=(n_dim, ()))))
+  elif cross:
     a, m_dim, n_dim = cross[0]
     # the contracting axis that scatters: the largest, ties broken by mesh order
-    b, _, _ = max(shared_k, key=lambda t: (axis_sizes[t[0]], -list(axis_sizes).index(t[0])))
+    b, _, _ = largest(shared_k)
     reduce = tuple(x for x, *_ in shared_k if x != b)
     matches.append(Match(dataflow="ls", row_axis=a, col_axis=b, lhs_dim=None, rhs_dim=n_dim,
                          out_dim=out_position("rhs", n_dim), global_extent=rhs_shape[n_dim],
@@ -164,6 +177,24 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
     matches.append(Match(dataflow="rs", row_axis=b, col_axis=a, lhs_dim=m_dim, rhs_dim=None,
                          out_dim=out_position("lhs", m_dim), global_extent=lhs_shape[m_dim],
                          reduce_axes=reduce, out_spec=out_spec(m_override=(m_dim, (b,)))))
+  else:
+    # 1D reduce-scatter (row-parallel linear): partial sums over axis b are scattered
+    # along a free dim that is not split yet; which one depends on the wanted layout.
+    b, lk, rk = largest(shared_k)
+    reduce = tuple(x for x, *_ in shared_k if x != b)
+    for operand, dims, shape, spec in (("lhs", lf, lhs_shape, lhs_spec),
+                                       ("rhs", rf, rhs_shape, rhs_spec)):
+      for d in dims:
+        if spec[d] or shape[d] % axis_sizes[b]:
+          continue
+        override = {"m_override" if operand == "lhs" else "n_override": (d, (b,))}
+        matches.append(Match(dataflow="1d-scatter", row_axis=b, col_axis=b, lhs_dim=lk,
+                             rhs_dim=rk, out_dim=out_position(operand, d),
+                             global_extent=shape[d], reduce_axes=reduce,
+                             out_spec=out_spec(**override)))
+    if not matches:
+      return Classification(reason=f"contraction split over {b!r} and no free dim can take "
+                                   "the scattered result: a plain all-reduce")
   matches = [m for m in matches if len(S.axes_of(m.out_spec)) == len(set(S.axes_of(m.out_spec)))]
   if not matches:
     return Classification(reason="the output would need one mesh axis on two dims")
@@ -178,6 +209,10 @@ def choose(classification: Classification, demanded_out_spec):
     return None, classification.reason
   if demanded_out_spec is None:
     return classification.matches[0], ""
+  first = classification.matches[0]
+  if first.dataflow == "1d-scatter" and first.row_axis not in S.axes_of(demanded_out_spec):
+    return None, (f"contraction split over {first.row_axis!r} and the result is wanted "
+                  "unsplit over it: a plain all-reduce, left to GSPMD")
   for m in classification.matches:
     if m.out_spec == demanded_out_spec:
       return m, ""

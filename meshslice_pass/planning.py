@@ -16,7 +16,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from meshslice import rewrites
-from meshslice.rewrites import GemmGeometry
+from meshslice.rewrites import GemmGeometry, OneDGeometry
 
 from . import analysis as A
 from . import costing
@@ -173,25 +173,35 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   if match is None:
     return Site(rewritten=False, reason=reason, **base)
   base["out_spec"] = S.describe(match.out_spec)
-  geometry = GemmGeometry(
-      dimension_numbers=dimension_numbers, dataflow=match.dataflow,
-      row_axis=match.row_axis, col_axis=match.col_axis,
-      row_size=ctx.axis_sizes[match.row_axis], col_size=ctx.axis_sizes[match.col_axis],
-      lhs_dim=match.lhs_dim, rhs_dim=match.rhs_dim, out_dim=match.out_dim,
-      global_extent=match.global_extent, reduce_axes=match.reduce_axes,
-      precision=eqn.params.get("precision"),
-      preferred_element_type=eqn.params.get("preferred_element_type"),
-      out_dtype=out.aval.dtype)
-  decided = dict(dataflow=match.dataflow, mesh_axes=(match.row_axis, match.col_axis),
+  common = dict(dimension_numbers=dimension_numbers, lhs_dim=match.lhs_dim,
+                rhs_dim=match.rhs_dim, out_dim=match.out_dim,
+                global_extent=match.global_extent, reduce_axes=match.reduce_axes,
+                precision=eqn.params.get("precision"),
+                preferred_element_type=eqn.params.get("preferred_element_type"),
+                out_dtype=out.aval.dtype)
+  if match.dataflow.startswith("1d"):
+    geometry = OneDGeometry(
+        kind="all_gather" if match.dataflow == "1d-gather" else "reduce_scatter",
+        axis=match.row_axis, axis_size=ctx.axis_sizes[match.row_axis], **common)
+    mesh_axes = (match.row_axis,)
+  else:
+    geometry = GemmGeometry(
+        dataflow=match.dataflow, row_axis=match.row_axis, col_axis=match.col_axis,
+        row_size=ctx.axis_sizes[match.row_axis], col_size=ctx.axis_sizes[match.col_axis],
+        **common)
+    mesh_axes = (match.row_axis, match.col_axis)
+  decided = dict(dataflow=match.dataflow, mesh_axes=mesh_axes,
                  geometry=geometry, specs=(lhs_spec, rhs_spec, match.out_spec))
   if not geometry.valid_ksplits():
     return Site(rewritten=False, reason=(
-        f"communicated extent {match.global_extent} is not divisible by lcm(R, C) = "
-        f"{geometry.lcm}"), **base, **decided)
+        f"communicated extent {match.global_extent} is not divisible by "
+        f"{'the axis size' if len(mesh_axes) == 1 else 'lcm(R, C)'} = {geometry.lcm}"),
+        **base, **decided)
   problem = costing.problem_for(geometry, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec,
                                 lhs.aval.dtype, out.aval.dtype, ctx.axis_sizes)
   profile = ctx.options.profile
-  baseline = costing.predict(problem, profile, "collective", match.dataflow, 1)
+  flow = costing.model_dataflow(match.dataflow)
+  baseline = costing.predict(problem, profile, "collective", flow, 1)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
               baseline_seconds=baseline, predicted_seconds=baseline, **base, **decided)
   algorithm, note = _choose_algorithm(geometry, request, site)
@@ -199,13 +209,13 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):
     algorithm = algorithm or "meshslice"
     ksplit, note = _requested_ksplit(algorithm, geometry, request, site)
-    seconds = costing.predict(problem, profile, algorithm, match.dataflow, ksplit)
+    seconds = costing.predict(problem, profile, algorithm, flow, ksplit)
   else:
     # the cost model picks among the slice counts this site can realise exactly
     ksplits = tuple(k for k in geometry.valid_ksplits() if k <= ctx.options.max_ksplit
                     and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
     algorithm, ksplit, seconds = costing.choose(
-        problem, profile, geometry, ksplits=ksplits or (1,),
+        problem, profile, flow, ksplits=ksplits or (1,),
         algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS)
     note = ""
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,

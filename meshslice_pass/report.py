@@ -52,7 +52,9 @@ class Report:
     rows = []
     for s in self.sites:
       if s.rewritten:
-        plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} r={s.mesh_axes[0]} c={s.mesh_axes[1]}"
+        axes = (f"r={s.mesh_axes[0]} c={s.mesh_axes[1]}" if len(s.mesh_axes) == 2
+                else f"axis={s.mesh_axes[0]}")
+        plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {axes}"
       else:
         plan = "left alone"
       rows.append((str(s.index), _short(s.source), s.direction[:3], s.context,
