@@ -56,6 +56,7 @@ class Site:
   baseline_seconds: float | None = None
   geometry: GemmGeometry | None = dataclasses.field(default=None, repr=False, compare=False)
   specs: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+  problem: object = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def label(self) -> str:
@@ -203,7 +204,8 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   flow = costing.model_dataflow(match.dataflow)
   baseline = costing.predict(problem, profile, "collective", flow, 1)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
-              baseline_seconds=baseline, predicted_seconds=baseline, **base, **decided)
+              baseline_seconds=baseline, predicted_seconds=baseline, problem=problem,
+              **base, **decided)
   algorithm, note = _choose_algorithm(geometry, request, site)
   site = dataclasses.replace(site, note=_join(site.note, note))
   if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):

@@ -18,6 +18,7 @@ class Report:
   sites: tuple
   mesh_shape: dict
   profile: str = ""
+  hardware: object = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def plan(self):
@@ -32,6 +33,20 @@ class Report:
   @property
   def left_alone(self) -> tuple:
     return tuple(s for s in self.sites if not s.rewritten)
+
+  def write_trace(self, path: str) -> None:
+    """Write the predicted schedule of every rewritten site (compute stream and each
+    mesh axis's link, sites laid end to end) as Chrome/Perfetto trace JSON: open it in
+    ui.perfetto.dev or chrome://tracing to see what overlaps what."""
+    from meshslice import costmodel
+    from .costing import model_dataflow
+    schedules = []
+    for s in self.rewritten:
+      label = f"#{s.index} {s.algorithm} {s.dataflow} S={s.ksplit} ({s.source})"
+      schedules.append((label, costmodel.schedule(s.problem, s.algorithm,
+                                                  model_dataflow(s.dataflow), s.ksplit,
+                                                  self.hardware)))
+    costmodel.write_trace(path, costmodel.trace_events(schedules))
 
   @property
   def predicted_seconds(self) -> float:

@@ -87,7 +87,8 @@ class Transformed:
     if self._options.plan is not None:
       self._options.plan.check_matches(sites)
     report = Report(sites=sites, mesh_shape=axis_sizes,
-                    profile=getattr(self._options.profile, "name", ""))
+                    profile=getattr(self._options.profile, "name", ""),
+                    hardware=self._options.profile)
     emitter = Emitter(sites, mesh)
 
     def emitted(*flat):

@@ -121,3 +121,19 @@ def test_plans_are_identical_across_processes(tmp_path):
     outs.append(subprocess.run([sys.executable, "-c", script], env=env, check=True,
                                capture_output=True, text=True).stdout)
   assert outs[0] == outs[1] and '"rewritten": true' in outs[0]
+
+
+def test_predicted_timeline_trace(tmp_path):
+  f, args = _program()
+  report = meshslice.explain(f, ksplit=2)(*args)
+  assert all(s.predicted_seconds > 0 and s.baseline_seconds > 0 for s in report.rewritten)
+  assert report.predicted_seconds == pytest.approx(
+      sum(s.predicted_seconds for s in report.rewritten))
+  assert "total predicted for the rewritten sites" in str(report)
+  path = tmp_path / "trace.json"
+  report.write_trace(str(path))
+  events = json.loads(path.read_text())["traceEvents"]
+  spans = [e for e in events if e.get("ph") == "X"]
+  assert spans and all(e["dur"] >= 0 for e in spans)
+  names = {e["name"] for e in spans}
+  assert any("all" in n.lower() or "gather" in n.lower() for n in names)
