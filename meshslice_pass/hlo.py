@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import numpy as np
@@ -245,6 +244,8 @@ def _multiplicities(comps: list) -> tuple[dict, dict]:
   for comp in comps:
     out = edges.setdefault(comp.name, [])
     for instr in comp.instrs.values():
+      if instr.opcode in ("async-update", "async-done"):
+        continue          # may repeat async-start's calls=; the wrapped op runs once
       calls = _CALLS.findall(_STRING.sub('""', instr.attrs))
       if not calls:
         continue

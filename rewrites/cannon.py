@@ -7,6 +7,7 @@ of the partial sums) comes on top of the R - 1 neighbour shifts.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import jax
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
@@ -63,12 +64,18 @@ def build_cannon(geometry: GemmGeometry, ksplit: int = 1):
 def _grid_permute(x, g: GemmGeometry, dest_of):
   """ppermute over both axes; dest_of maps a source (row, col) to its destination."""
   r = g.row_size
+  # JAX numbers devices of a multi-axis ppermute in *mesh* axis order, whatever the order
+  # of the names passed, so linearise (row, col) the way the mesh lays them out.
+  names = jax.sharding.get_abstract_mesh().axis_names
+  row_major = names.index(g.row_axis) < names.index(g.col_axis)
+  linear = (lambda i, j: i * r + j) if row_major else (lambda i, j: j * r + i)
   pairs = []
   for i in range(r):
     for j in range(r):
       di, dj = dest_of(i, j)
-      pairs.append((i * r + j, (di % r) * r + dj % r))   # (row, col) is row-major
-  return lax.ppermute(x, (g.row_axis, g.col_axis), pairs)
+      pairs.append((linear(i, j), linear(di % r, dj % r)))
+  axes = (g.row_axis, g.col_axis) if row_major else (g.col_axis, g.row_axis)
+  return lax.ppermute(x, axes, pairs)
 
 
 def _chunks(x, dim, ksplit):

@@ -74,3 +74,21 @@ def test_invalid_ksplit_is_rejected():
     build_body("meshslice", g, 3)
   with pytest.raises(ValueError, match="algorithm must be one of"):
     build_body("nope", g, 1)
+
+
+@pytest.mark.parametrize("algorithm", ["meshslice", "cannon", "wang", "summa"])
+def test_row_axis_second_in_mesh_order(algorithm):
+  # r = "y", c = "x": algorithms must not assume the row axis comes first in the mesh
+  # (multi-axis ppermutes number devices in mesh order, not in the order names are given)
+  m = mesh((2, 2))
+  x = jax.random.normal(jax.random.key(0), (8, 8))
+  w = jax.random.normal(jax.random.key(1), (8, 8))
+  layouts = {"os": ((P("y", "x"), P("y", "x")), dict(lhs_dim=1, rhs_dim=0, out_dim=None)),
+             "ls": ((P("y", "x"), P("x", "y")), dict(lhs_dim=None, rhs_dim=1, out_dim=1)),
+             "rs": ((P("x", "y"), P("y", "x")), dict(lhs_dim=0, rhs_dim=None, out_dim=0))}
+  for dataflow, (specs, kw) in layouts.items():
+    g = GemmGeometry(dimension_numbers=DN, dataflow=dataflow, row_axis="y", col_axis="x",
+                     row_size=2, col_size=2, global_extent=8, **kw)
+    f = jax.jit(jax.shard_map(build_body(algorithm, g, 1), mesh=m, in_specs=specs,
+                              out_specs=P("y", "x")))
+    assert_trees_close(f(x, w), x @ w)
