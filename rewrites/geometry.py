@@ -19,8 +19,32 @@ import math
 DATAFLOWS = ("os", "ls", "rs")
 
 
+class _Slicing:
+  """Slice-count arithmetic shared by both geometries: the communicated extent is cut
+  into S * lcm equal blocks (lcm = lcm(R, C) for 2D sites, n for 1D sites)."""
+
+  __slots__ = ()
+  _LCM_NAME = "lcm(R, C)"
+
+  def block_size(self, ksplit: int) -> int:
+    """The block-cyclic block size B = extent / (S * lcm) for S = ksplit."""
+    if not self.valid_ksplit(ksplit):
+      raise ValueError(
+          f"ksplit={ksplit} does not divide the communicated extent {self.global_extent} "
+          f"into S * {self._LCM_NAME} = {ksplit * self.lcm} equal blocks")
+    return self.global_extent // (ksplit * self.lcm)
+
+  def valid_ksplit(self, ksplit: int) -> bool:
+    return ksplit >= 1 and self.global_extent % (ksplit * self.lcm) == 0
+
+  def valid_ksplits(self) -> tuple[int, ...]:
+    """Every S for which slicing is exact, ascending."""
+    n = self.global_extent // self.lcm if self.global_extent % self.lcm == 0 else 0
+    return tuple(s for s in range(1, n + 1) if n % s == 0)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class GemmGeometry:
+class GemmGeometry(_Slicing):
   """Where a 2D-sharded dot_general communicates, in local (per-device) terms.
 
   Attributes:
@@ -72,28 +96,13 @@ class GemmGeometry:
   def lcm(self) -> int:
     return math.lcm(self.row_size, self.col_size)
 
-  def block_size(self, ksplit: int) -> int:
-    """The block-cyclic block size B = extent / (S * lcm(R, C)) for S = ksplit."""
-    if not self.valid_ksplit(ksplit):
-      raise ValueError(
-          f"ksplit={ksplit} does not divide the communicated extent "
-          f"{self.global_extent} into S * lcm(R, C) = {ksplit * self.lcm} equal blocks")
-    return self.global_extent // (ksplit * self.lcm)
-
-  def valid_ksplit(self, ksplit: int) -> bool:
-    return ksplit >= 1 and self.global_extent % (ksplit * self.lcm) == 0
-
-  def valid_ksplits(self) -> tuple[int, ...]:
-    """Every S for which block-cyclic slicing is exact, ascending."""
-    n = self.global_extent // self.lcm if self.global_extent % self.lcm == 0 else 0
-    return tuple(s for s in range(1, n + 1) if n % s == 0)
 
 
 ONED_KINDS = ("all_gather", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class OneDGeometry:
+class OneDGeometry(_Slicing):
   """A dot_general sharded over one mesh axis `axis` (size n), in local terms.
 
   The one-axis special case of DESIGN.md section 4; the layouts are (a, b stand for any
@@ -153,26 +162,13 @@ class OneDGeometry:
       raise ValueError("a reduce_scatter OneDGeometry needs both sharded contracting dims: "
                        f"got lhs_dim={self.lhs_dim}, rhs_dim={self.rhs_dim}")
 
+  _LCM_NAME = "n"
+
   @property
   def lcm(self) -> int:
     # One axis: the block-cyclic arithmetic of GemmGeometry with lcm(R, C) -> n.
     return self.axis_size
 
-  def block_size(self, ksplit: int) -> int:
-    """The slice block size B = extent / (S * n) for S = ksplit."""
-    if not self.valid_ksplit(ksplit):
-      raise ValueError(
-          f"ksplit={ksplit} does not divide the communicated extent "
-          f"{self.global_extent} into S * n = {ksplit * self.lcm} equal blocks")
-    return self.global_extent // (ksplit * self.lcm)
-
-  def valid_ksplit(self, ksplit: int) -> bool:
-    return ksplit >= 1 and self.global_extent % (ksplit * self.lcm) == 0
-
-  def valid_ksplits(self) -> tuple[int, ...]:
-    """Every S for which slicing is exact, ascending."""
-    n = self.global_extent // self.lcm if self.global_extent % self.lcm == 0 else 0
-    return tuple(s for s in range(1, n + 1) if n % s == 0)
 
 
 def extent_reason(geometry) -> str:
