@@ -1,4 +1,4 @@
-"""Command line: `python -m meshslice demo` and `python -m meshslice autotune ...`."""
+"""Command line: `python -m meshslice demo | autotune | calibrate` (each takes --help)."""
 from __future__ import annotations
 
 import argparse
@@ -46,12 +46,15 @@ def _demo(argv) -> int:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  commands = {"demo": _demo}
-  try:
-    from .costmodel import cli as _cli  # noqa: F401  (present once the cost model lands)
-    commands["autotune"] = lambda a: _cli.main(["autotune"] + a)
-  except ImportError:
-    pass
+  def autotune(args):
+    from .costmodel import cli
+    return cli.main(["autotune"] + args)
+
+  def calibrate(args):
+    from . import calibrate as calibration
+    return calibration.main(args)
+
+  commands = {"demo": _demo, "autotune": autotune, "calibrate": calibrate}
   if not argv or argv[0] not in commands:
     print(f"usage: python -m meshslice {{{','.join(commands)}}} [options]", file=sys.stderr)
     return 2
