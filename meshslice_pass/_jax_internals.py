@@ -71,3 +71,28 @@ def jit_params(traced) -> dict:
 def jit_info(jitted):
   """The static_argnums/static_argnames/... record of a `jax.jit`-wrapped function."""
   return getattr(jitted, "_jit_info", None)
+
+
+# -- scan's parameters changed shape across JAX versions: jax <= 0.10 has num_consts /
+# num_carry / linear; jax 0.11 describes the operands with flat trees (ft_in, ft_out).
+
+def scan_counts(params) -> tuple[int, int]:
+  """(number of consts, number of carries) of a scan equation's operands."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
+def scan_params_with_consts(params, extra: int, jaxpr: ClosedJaxpr) -> dict:
+  """Scan params for `jaxpr`, whose first `extra` invars are new leading consts."""
+  new = dict(params, jaxpr=jaxpr)
+  if "num_consts" in params:
+    new["num_consts"] = params["num_consts"] + extra
+    if "linear" in params:
+      new["linear"] = (False,) * extra + tuple(params["linear"])
+    return new
+  from jax._src import flattree   # jax >= 0.11 only
+  consts, carry, xs = params["ft_in"].unpack()
+  new["ft_in"] = flattree.pack((flattree.nones(len(consts) + extra), carry, xs))
+  return new

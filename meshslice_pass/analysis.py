@@ -23,7 +23,7 @@ from jax.sharding import AxisType
 
 from . import matching
 from . import specs as S
-from ._jax_internals import ClosedJaxpr, Literal
+from ._jax_internals import ClosedJaxpr, Literal, scan_counts
 
 _RULES = {}
 _MAX_SWEEPS = 6
@@ -421,7 +421,7 @@ def _stack(spec):
 @rule("scan")
 def _scan(eqn, ins, outs, ctx, state, index):
   p = eqn.params
-  nc, ncarry = p["num_consts"], p["num_carry"]
+  nc, ncarry = scan_counts(p)
   jaxpr = p["jaxpr"].jaxpr
   consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
   carry_out, ys = outs[:ncarry], outs[ncarry:]

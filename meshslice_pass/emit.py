@@ -15,7 +15,7 @@ from meshslice.rewrites import build_body
 
 from . import specs as S
 from ._jax_internals import (ClosedJaxpr, Literal, eval_closed, hoist_consts, rebind_context,
-                             retrace, trace_once)
+                             retrace, scan_params_with_consts, trace_once)
 
 _HANDLERS = {}
 
@@ -163,8 +163,7 @@ def _scan(em, eqn, invals, path):
   p = eqn.params
   new = em.subjaxpr(p["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
   jaxpr, consts = hoist_consts(new)
-  params = dict(p, jaxpr=ClosedJaxpr(jaxpr, ()), num_consts=p["num_consts"] + len(consts),
-                **({"linear": (False,) * len(consts) + tuple(p["linear"])} if "linear" in p else {}))
+  params = scan_params_with_consts(p, len(consts), ClosedJaxpr(jaxpr, ()))
   return _bind(eqn, consts + list(invals), params)
 
 
