@@ -16,6 +16,7 @@ output layout the program wants decides between them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from . import specs as S
 
@@ -80,9 +81,6 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
                                 ("rhs", rhs_spec, (("N", rf), ("K", rc)))):
     for group, dims in groups:
       for d in dims:
-        if len(spec[d]) > 1:
-          return Classification(reason=f"{operand} dim {d} is split over several axes "
-                                       f"{spec[d]}; only one axis per matmul dim is handled")
         for ax in spec[d]:
           where.setdefault(ax, []).append((operand, group, d))
   if not where:
@@ -131,6 +129,22 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
   def out_position(operand, d):
     return nbatch + (lf.index(d) if operand == "lhs" else len(lf) + rf.index(d))
 
+  def extras(spec, d):
+    """The axes that split dim d besides its last (minor) one."""
+    return tuple(spec[d][:-1])
+
+  def extent(shape, spec, d):
+    """Extent of dim d within one shard of its extra (major) axes: what the minor axis
+    communicates. The communicated axis must be the minor one, so that gathering or
+    scattering over it keeps every shard of the extra axes contiguous."""
+    return shape[d] // math.prod(axis_sizes[a] for a in extras(spec, d))
+
+  def minor_or_reason(operand, spec, d, ax):
+    if spec[d][-1] != ax:
+      return (f"{operand} dim {d} is split over {spec[d]} with {ax!r} not last: the "
+              "communicated axis must be the minor one")
+    return ""
+
   def largest(axes):
     return max(axes, key=lambda t: (axis_sizes[t[0]], -list(axis_sizes).index(t[0])))
 
@@ -148,8 +162,13 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
     if kpos("lhs", lk) != kpos("rhs", rk):
       return Classification(reason="OS pattern splits different contracting dims on lhs "
                                    "and rhs")
+    why = (minor_or_reason("lhs", lhs_spec, lk, c) or minor_or_reason("rhs", rhs_spec, rk, r)
+           or ("" if extras(lhs_spec, lk) == extras(rhs_spec, rk) else
+               "the contracting dim is split over different extra axes on lhs and rhs"))
+    if why:
+      return Classification(reason=why)
     matches.append(Match(dataflow="os", row_axis=r, col_axis=c, lhs_dim=lk, rhs_dim=rk,
-                         out_dim=None, global_extent=lhs_shape[lk],
+                         out_dim=None, global_extent=extent(lhs_shape, lhs_spec, lk),
                          reduce_axes=tuple(a for a, *_ in shared_k), out_spec=out_spec()))
   elif len(cross) > 1:
     return Classification(reason=f"axes {[a for a, *_ in cross]} split both M and N; "
@@ -158,25 +177,40 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
     # 1D all-gather (sequence-parallel input of a Megatron block): one operand's free dim
     # is gathered; which one depends on the output layout the program wants.
     a, m_dim, n_dim = cross[0]
-    matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=m_dim,
-                         rhs_dim=None, out_dim=out_position("lhs", m_dim),
-                         global_extent=lhs_shape[m_dim], reduce_axes=(),
-                         out_spec=out_spec(m_override=(m_dim, ()))))
-    matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=None,
-                         rhs_dim=n_dim, out_dim=out_position("rhs", n_dim),
-                         global_extent=rhs_shape[n_dim], reduce_axes=(),
-                         out_spec=out_spec(n_override=(n_dim, ()))))
+    if not minor_or_reason("lhs", lhs_spec, m_dim, a):
+      matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=m_dim,
+                           rhs_dim=None, out_dim=out_position("lhs", m_dim),
+                           global_extent=extent(lhs_shape, lhs_spec, m_dim), reduce_axes=(),
+                           out_spec=out_spec(m_override=(m_dim, extras(lhs_spec, m_dim)))))
+    if not minor_or_reason("rhs", rhs_spec, n_dim, a):
+      matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=None,
+                           rhs_dim=n_dim, out_dim=out_position("rhs", n_dim),
+                           global_extent=extent(rhs_shape, rhs_spec, n_dim), reduce_axes=(),
+                           out_spec=out_spec(n_override=(n_dim, extras(rhs_spec, n_dim)))))
+    if not matches:
+      return Classification(reason=minor_or_reason("lhs", lhs_spec, m_dim, a))
   elif cross:
     a, m_dim, n_dim = cross[0]
-    # the contracting axis that scatters: the largest, ties broken by mesh order
-    b, _, _ = largest(shared_k)
-    reduce = tuple(x for x, *_ in shared_k if x != b)
-    matches.append(Match(dataflow="ls", row_axis=a, col_axis=b, lhs_dim=None, rhs_dim=n_dim,
-                         out_dim=out_position("rhs", n_dim), global_extent=rhs_shape[n_dim],
-                         reduce_axes=reduce, out_spec=out_spec(n_override=(n_dim, (b,)))))
-    matches.append(Match(dataflow="rs", row_axis=b, col_axis=a, lhs_dim=m_dim, rhs_dim=None,
-                         out_dim=out_position("lhs", m_dim), global_extent=lhs_shape[m_dim],
-                         reduce_axes=reduce, out_spec=out_spec(m_override=(m_dim, (b,)))))
+    # Any contracting axis b can carry the reduce-scatter (the others are summed with a
+    # psum): one LS and one RS candidate per b, the largest b first (ties: mesh order),
+    # and the output layout the program wants picks among them.
+    for b, _, _ in sorted(shared_k, key=lambda t: (-axis_sizes[t[0]],
+                                                   list(axis_sizes).index(t[0]))):
+      reduce = tuple(x for x, *_ in shared_k if x != b)
+      if not minor_or_reason("rhs", rhs_spec, n_dim, a):
+        matches.append(Match(
+            dataflow="ls", row_axis=a, col_axis=b, lhs_dim=None, rhs_dim=n_dim,
+            out_dim=out_position("rhs", n_dim),
+            global_extent=extent(rhs_shape, rhs_spec, n_dim), reduce_axes=reduce,
+            out_spec=out_spec(n_override=(n_dim, extras(rhs_spec, n_dim) + (b,)))))
+      if not minor_or_reason("lhs", lhs_spec, m_dim, a):
+        matches.append(Match(
+            dataflow="rs", row_axis=b, col_axis=a, lhs_dim=m_dim, rhs_dim=None,
+            out_dim=out_position("lhs", m_dim),
+            global_extent=extent(lhs_shape, lhs_spec, m_dim), reduce_axes=reduce,
+            out_spec=out_spec(m_override=(m_dim, extras(lhs_spec, m_dim) + (b,)))))
+    if not matches:
+      return Classification(reason=minor_or_reason("rhs", rhs_spec, n_dim, a))
   else:
     # 1D reduce-scatter (row-parallel linear): partial sums over axis b are scattered
     # along a free dim that is not split yet; which one depends on the wanted layout.

@@ -25,7 +25,8 @@ class Options:
       "dataflow": ..., "ksplit": ..., "rewrite": bool}}. A pinned request a site cannot
       honour is always an error naming the site.
     plan: a `Plan` (or the path of a plan JSON file) saved from an earlier run; its
-      per-site choices are applied as overrides, matched by site position.
+      per-site choices are applied as overrides, matched by site index (program order)
+      and checked against each site's source location.
     profile: the hardware profile the cost model plans for: a shipped name
       ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"), a profile JSON path, or
       a `meshslice.costmodel.HardwareProfile`.
@@ -92,7 +93,7 @@ class Options:
     """What the user asked for this site: global options, then plan, then overrides."""
     pin = {}
     if self.plan is not None:
-      pin.update(self.plan.pin_for(path))
+      pin.update(self.plan.pin_for(index))
     for key, value in (self.overrides or {}).items():
       if key == index or (isinstance(key, str) and _same_location(source, key)):
         pin.update(value)

@@ -21,10 +21,6 @@ _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
 VERSION = 1
 
 
-def _path_key(path) -> tuple:
-  return tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in path)
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
   """Per-site decisions of one program on one mesh.
@@ -112,10 +108,12 @@ class Plan:
     sites = tuple(edited(e) if e["index"] == index else e for e in self.sites)
     return dataclasses.replace(self, sites=sites)
 
-  def pin_for(self, path) -> dict:
-    """What this plan fixes for the site at `path` ({} when nothing)."""
+  def pin_for(self, index: int) -> dict:
+    """What this plan fixes for site `index` ({} when nothing). Sites are matched by
+    their position in program order (checked against the source by `check_matches`),
+    not by jaxpr path, which shifts when e.g. a mesh context adds a top-level reshard."""
     for entry in self.sites:
-      if _path_key(entry["path"]) == _path_key(path):
+      if entry["index"] == index:
         if entry.get("rewrite") is False:
           return {"rewrite": False}
         if not entry["rewritten"] and not entry.get("edited"):
@@ -125,9 +123,9 @@ class Plan:
 
   def check_matches(self, sites) -> None:
     """Raise if this plan was made for another program."""
-    here = {_path_key(s.path): s for s in sites}
+    here = {s.index: s for s in sites}
     for entry in self.sites:
-      site = here.get(_path_key(entry["path"]))
+      site = here.get(entry["index"])
       if site is None or site.source != entry["source"]:
         found = f"{site.source!r}" if site else "no matmul"
         raise ValueError(f"plan does not match this program: site #{entry['index']} was a "

@@ -217,3 +217,28 @@ def test_non_function():
       "meshslice.transform expects a callable (a function or a jax.jit-wrapped function) "
       "as fn, got int")):
     meshslice.transform(3)
+
+
+def test_batch_split_over_data_and_row_axes():
+  # data parallelism on top of 2D TP: the batch dim is split over ("data", "x")
+  msh = mesh((2, 2, 2), ("data", "x", "y"))
+  xs = NamedSharding(msh, P(("data", "x"), None, "y"))
+  ws = NamedSharding(msh, P("x", "y"))
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 4, 32)), xs)
+  w = jax.device_put(jax.random.normal(jax.random.key(1), (32, 16)) / 5, ws)
+
+  def step(x, w):
+    loss = lambda x, w: jnp.mean(jnp.tanh(jnp.einsum("bsh,hf->bsf", x, w)) ** 2)
+    l, (gx, gw) = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    return l, gx, w - 0.1 * gw
+
+  f = jax.jit(step, in_shardings=(xs, ws), out_shardings=(None, xs, ws))
+  report = meshslice.explain(f, ksplit=2)(x, w)
+  plans = sorted((s.dataflow, s.mesh_axes, s.geometry.reduce_axes) for s in report.rewritten)
+  assert plans == [("ls", ("x", "y"), ()), ("os", ("x", "y"), ()),
+                   ("rs", ("x", "y"), ("data",))]
+  # Reference: the same step on unsharded inputs. (Plain jax.jit with these shardings
+  # returns a wrong input gradient on the CPU backend of jax 0.10.2 -- off by ~4e-3 on
+  # entries of ~1e-3 -- so it cannot serve as the reference here.)
+  reference = jax.jit(step)(np.asarray(x), np.asarray(w))
+  assert_trees_close(meshslice.transform(f, ksplit=2)(x, w), reference)
