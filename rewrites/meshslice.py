@@ -12,6 +12,7 @@ cannot merge the S sliced collectives back into one.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -29,6 +30,11 @@ def accumulation_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
 
 
 def _local_dot(geometry: GemmGeometry, lhs, rhs, dtype):
+  if (jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize > lhs.dtype.itemsize
+      and jnp.issubdtype(lhs.dtype, jnp.floating)):
+    # XLA's CPU runtime cannot run some bf16 x bf16 -> f32 dots ("Unsupported element
+    # type for DotThunk"); widening the operands first computes the same products.
+    lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
   return lax.dot_general(lhs, rhs, geometry.dimension_numbers,
                          precision=geometry.precision, preferred_element_type=dtype)
 

@@ -9,7 +9,7 @@ inputs: the transformed one may be off by at most max(4x the original's error, 2
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -69,9 +69,16 @@ def _divisible(shape, spec, sizes):
   return all(entry is None or n % sizes[entry] == 0 for n, entry in zip(shape, spec))
 
 
-@settings(max_examples=25, deadline=None, database=None,
+BF16_ON_CPU = dict(mesh=((2, 2), ("x", "y")), lhs_spec=P("y", "x"), rhs_spec=P("y", "x", None),
+                   dn=(([0], [0]), ([], [])), lhs_shape=(8, 8), rhs_shape=(8, 8, 8),
+                   dtype=jnp.bfloat16, algorithm=None, ksplit=None)
+
+
+# derandomize: CI sees the same examples on every run (a property test must not flake)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+@example(BF16_ON_CPU)   # once crashed XLA's CPU runtime (bf16 x bf16 -> f32 dot)
 def test_transformed_dot_general_matches(case):
   shape, names = case["mesh"]
   m = mesh(shape, names)
