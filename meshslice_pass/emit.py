@@ -92,7 +92,7 @@ class Emitter:
                               + tuple(range(nb, nb + nr)))
     # Explicit mode: the rest of the program was typed with the original result layout.
     want = getattr(eqn.outvars[0].aval, "sharding", None)
-    if (isinstance(want, NamedSharding) or hasattr(want, "spec")) and _is_explicit(want):
+    if isinstance(want, NamedSharding) and _is_explicit(want):
       if jax.typeof(out).sharding.spec != want.spec:
         out = jax.sharding.reshard(out, want.spec)
     return out

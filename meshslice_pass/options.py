@@ -89,7 +89,7 @@ class Options:
                            "location 'file:line' (str)")
         _validate_pin(f"overrides[{key!r}]", pin)
 
-  def request_for(self, *, index: int, source: str, path: tuple) -> "SiteRequest":
+  def request_for(self, *, index: int, source: str) -> "SiteRequest":
     """What the user asked for this site: global options, then plan, then overrides."""
     pin = {}
     if self.plan is not None:

@@ -158,7 +158,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   if not jnp.issubdtype(out.aval.dtype, jnp.floating):
     return Site(rewritten=False, reason=f"{out.aval.dtype} matmul: only floating-point "
                                         "matmuls are rewritten", **base)
-  request = ctx.options.request_for(index=index, source=base["source"], path=path)
+  request = ctx.options.request_for(index=index, source=base["source"])
   if request.rewrite is False:
     return Site(rewritten=False, reason="left alone as requested (override or plan)", **base)
   found = matching.classify(dimension_numbers, lhs.aval.shape, rhs.aval.shape,

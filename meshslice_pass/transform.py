@@ -143,13 +143,15 @@ def _none_if_unspecified(shardings):
 
 
 def _signature(x):
-  if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "aval"):
-    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
-    sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else None
-    if isinstance(x, jax.core.Tracer):
-      sharding = getattr(jax.typeof(x), "sharding", None)
-    return (tuple(x.shape), str(x.dtype), getattr(aval, "weak_type", False), sharding)
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
+  """What a leaf contributes to the trace-cache key: its type (shape, dtype, weak type,
+  sharding) for arrays, tracers and ShapeDtypeStructs; its Python type otherwise."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
+  if isinstance(x, (jax.Array, jax.core.Tracer)):
+    aval = jax.typeof(x)
+    sharding = aval.sharding if isinstance(x, jax.core.Tracer) else x.sharding
+    return (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), sharding)
+  if hasattr(x, "shape") and hasattr(x, "dtype"):          # numpy arrays and scalars
     return (tuple(x.shape), str(x.dtype), False, None)
   return (type(x).__name__,)
 
