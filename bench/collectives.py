@@ -22,7 +22,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags
+
+import cluster  # noqa: E402  (bench/cluster.py: shared flags)
 
 _MESH = flags.DEFINE_string("mesh", "2x4", "mesh shape RxC")
 _SIZES = flags.DEFINE_list("sizes_kib", ["16", "64", "256", "1024"],
@@ -35,15 +37,6 @@ _DTYPE = flags.DEFINE_string("dtype", "float32", "element type")
 _LOOPS = flags.DEFINE_integer("loops", 4, "collectives per timed call")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per measurement (median)")
 _OUT = flags.DEFINE_string("out", None, "write JSON lines here (one per timing, one per fit)")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "emulated devices when on CPU")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "call jax.distributed.initialize() first: on Cloud TPU pods and "
-    "under SLURM / Open MPI / Kubernetes it detects the job itself; elsewhere pass the next "
-    "three flags")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
 
 
 def run(shape, *, sizes_bytes, kinds, group_sizes, dtype, loops, repeats):
@@ -76,15 +69,7 @@ def records(samples, fits, shape, dtype) -> list[dict]:
 
 def main(argv):
   del argv
-  try:
-    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
-  except RuntimeError:
-    pass                                    # JAX already started (e.g. a caller did)
-  if _DISTRIBUTED.value:
-    kwargs = {k: v for k, v in (("coordinator_address", _COORDINATOR.value),
-                                ("num_processes", _NUM_PROCESSES.value),
-                                ("process_id", _PROCESS_ID.value)) if v is not None}
-    jax.distributed.initialize(**kwargs)
+  cluster.start()
   shape = tuple(int(v) for v in _MESH.value.lower().split("x"))
   sizes = [int(float(v) * 1024) for v in _SIZES.value]
   samples, fits = run(shape, sizes_bytes=sizes, kinds=tuple(_KINDS.value),

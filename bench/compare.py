@@ -37,7 +37,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags
+
+import cluster  # noqa: E402  (bench/cluster.py: shared flags)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -52,15 +54,6 @@ _PROFILE = flags.DEFINE_string("profile", "cpu", "hardware profile name or JSON 
 _DTYPE = flags.DEFINE_string("dtype", "float32", "element type")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "timed calls per plan (median)")
 _OUT = flags.DEFINE_string("out", None, "write JSON lines here (one per plan, one summary)")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "emulated devices when on CPU")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "call jax.distributed.initialize() first: on Cloud TPU pods and "
-    "under SLURM / Open MPI / Kubernetes it detects the job itself; elsewhere pass the next "
-    "three flags")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
 
 # Input layouts (x, w) per dataflow on axes (r, c); the output is always (M:r, N:c).
 LAYOUTS = {"os": (P("r", "c"), P("r", "c")), "ls": (P("r", "c"), P("c", "r")),
@@ -205,15 +198,7 @@ def _finite(value):
 
 def main(argv):
   del argv
-  try:
-    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
-  except RuntimeError:
-    pass                                    # JAX already started
-  if _DISTRIBUTED.value:
-    kwargs = {k: v for k, v in (("coordinator_address", _COORDINATOR.value),
-                                ("num_processes", _NUM_PROCESSES.value),
-                                ("process_id", _PROCESS_ID.value)) if v is not None}
-    jax.distributed.initialize(**kwargs)
+  cluster.start()
   from meshslice.costmodel import load_profile
   r, c = (int(v) for v in _MESH.value.lower().split("x"))
   mesh = jax.make_mesh((r, c), ("r", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 2,

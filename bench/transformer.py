@@ -54,9 +54,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+import cluster  # noqa: E402  (bench/cluster.py: shared flags)
 
 _LAYERS = flags.DEFINE_integer("layers", 2, "transformer layers")
 _HIDDEN = flags.DEFINE_integer("hidden", 128, "hidden size")
@@ -83,15 +84,6 @@ _OUT = flags.DEFINE_string("out", None, "write one JSON line per variant here")
 _TRACE_DIR = flags.DEFINE_string(
     "trace_dir", None, "write a jax.profiler trace of two extra steps per variant here "
     "(TensorBoard / Perfetto); traced steps are not timed")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "emulated devices when on CPU")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "call jax.distributed.initialize() first: on Cloud TPU pods and "
-    "under SLURM / Open MPI / Kubernetes it detects the job itself; elsewhere pass the next "
-    "three flags")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -293,21 +285,9 @@ def render(records) -> str:
   return "\n".join(lines)
 
 
-def _start():
-  try:
-    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
-  except RuntimeError:
-    pass                                    # JAX already started
-  if _DISTRIBUTED.value:
-    kwargs = {k: v for k, v in (("coordinator_address", _COORDINATOR.value),
-                                ("num_processes", _NUM_PROCESSES.value),
-                                ("process_id", _PROCESS_ID.value)) if v is not None}
-    jax.distributed.initialize(**kwargs)
-
-
 def main(argv):
   del argv
-  _start()
+  cluster.start()
   from meshslice.demo import ModelConfig
   shape = tuple(int(v) for v in _MESH.value.lower().split("x"))
   cfg = ModelConfig(layers=_LAYERS.value, batch=_BATCH.value, seq=_SEQ.value,

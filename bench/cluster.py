@@ -1,0 +1,31 @@
+"""Flags and start-up shared by the bench apps: emulated CPU devices, and
+`jax.distributed.initialize()` for multi-host runs (TPU pods, GPU clusters).
+
+Each app does `import cluster` (bench/ is on sys.path when it runs as a script) and
+calls `cluster.start()` first thing in `main`.
+"""
+import jax
+from absl import flags
+
+CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "emulated devices when on CPU")
+DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "call jax.distributed.initialize() first: on Cloud TPU pods and "
+    "under SLURM / Open MPI / Kubernetes it detects the job itself; elsewhere pass the next "
+    "three flags")
+COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (or set JAX_COORDINATOR_ADDRESS)")
+NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
+PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
+
+
+def start():
+  """Ask for the emulated CPU devices (if JAX has not started yet) and join the job."""
+  try:
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES.value)
+  except RuntimeError:
+    pass                                    # JAX already started (e.g. a caller did)
+  if DISTRIBUTED.value:
+    kwargs = {k: v for k, v in (("coordinator_address", COORDINATOR.value),
+                                ("num_processes", NUM_PROCESSES.value),
+                                ("process_id", PROCESS_ID.value)) if v is not None}
+    jax.distributed.initialize(**kwargs)
