@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from meshslice.rewrites import build_body
 
 from . import specs as S
+from .analysis import sub_jaxprs
 from ._jax_internals import (ClosedJaxpr, Literal, eval_closed, hoist_consts, rebind_context,
                              retrace, scan_params_with_consts, trace_once)
 
@@ -57,8 +58,8 @@ class Emitter:
       with rebind_context(eqn), eqn.ctx.manager:
         if path in self.plans:
           outs = [self.rewrite(self.plans[path], eqn, *invals)]
-        elif any(prefix + ((i, p, b),) in self.live or prefix + ((i, p, b),) in self.plans
-                 for p, b in _keys(eqn)):
+        elif any(prefix + ((i, p, b),) in self.live
+                 for (p, b), _ in sub_jaxprs(eqn)):
           outs = _HANDLERS[eqn.primitive.name](self, eqn, invals, prefix + (i,))
         else:
           outs = _bind(eqn, invals, eqn.params)
@@ -110,19 +111,6 @@ class Emitter:
 def _is_explicit(sharding):
   mesh = getattr(sharding, "mesh", None)
   return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
-def _keys(eqn):
-  name = eqn.primitive.name
-  if name in ("jit", "remat2", "checkpoint", "scan"):
-    return [("jaxpr", 0)]
-  if name in ("custom_jvp_call", "custom_vjp_call"):
-    return [("call_jaxpr", 0)]
-  if name == "while":
-    return [("body_jaxpr", 0), ("cond_jaxpr", 0)]
-  if name == "cond":
-    return [("branches", b) for b in range(len(eqn.params["branches"]))]
-  return []
 
 
 def _bind(eqn, invals, params):

@@ -4,8 +4,6 @@ Tolerance: float32 1e-4, bfloat16 2e-2, each relative to the largest entry of th
 compared (sliced partial sums are added in a different order; see README, Numerics).
 """
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import meshslice

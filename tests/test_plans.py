@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshslice
 
-from helpers import assert_trees_close, collective_counts, mesh
+from helpers import assert_trees_close, mesh
 
 
 def _mlp(x, w1, w2):

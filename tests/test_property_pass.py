@@ -8,7 +8,6 @@ inputs: the transformed one may be off by at most max(4x the original's error, 2
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
