@@ -47,7 +47,8 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
     return costmodel.GemmProblem.one_d(
         size=geometry.axis_size, collective=geometry.kind,
         profile_dim=min(mesh_order.index(geometry.axis), 1), **sizes)
-  row_first = mesh_order.index(geometry.row_axis) < mesh_order.index(geometry.col_axis)
+  position = lambda axis: mesh_order.index(axis) if axis in mesh_order else len(mesh_order)
+  row_first = position(geometry.row_axis) < position(geometry.col_axis)
   return costmodel.GemmProblem(
       rows=geometry.row_size, cols=geometry.col_size,
       row_profile_dim=0 if row_first else 1, col_profile_dim=1 if row_first else 0, **sizes)

@@ -151,10 +151,26 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
   matches = []
   if os_row or os_col:
     if not cross and len(os_row) + len(os_col) == 1:
-      ax = (os_row or os_col)[0][0]
-      side = "rhs K" if os_row else "lhs K"
-      return Classification(reason=f"1D pattern not rewritten: axis {ax!r} splits a free dim "
-                                   f"and {side}, so GSPMD gathers a contracting dim")
+      # 1D: one operand's contracting dim is split (a sequence-parallel weight gradient):
+      # OS with the other axis of size 1 -- only that operand is gathered, slice by slice.
+      if os_row:
+        (r, rk), c = os_row[0], None
+        lk = lc[rc.index(rk)]
+        why = minor_or_reason("rhs", rhs_spec, rk, r) or (
+            "" if not lhs_spec[lk] else f"lhs contracting dim {lk} is split as well")
+        extent_k = extent(rhs_shape, rhs_spec, rk) if not why else 0
+      else:
+        (c, lk), r = os_col[0], None
+        rk = rc[lc.index(lk)]
+        why = minor_or_reason("lhs", lhs_spec, lk, c) or (
+            "" if not rhs_spec[rk] else f"rhs contracting dim {rk} is split as well")
+        extent_k = extent(lhs_shape, lhs_spec, lk) if not why else 0
+      if why:
+        return Classification(reason=why)
+      return Classification(matches=(Match(
+          dataflow="os", row_axis=r, col_axis=c, lhs_dim=lk, rhs_dim=rk, out_dim=None,
+          global_extent=extent_k, reduce_axes=tuple(a for a, *_ in shared_k),
+          out_spec=out_spec()),))
     if cross or len(os_row) != 1 or len(os_col) != 1:
       return Classification(reason="mixed sharding: parts of the OS pattern without the "
                                    "rest (each of r and c must split one dim of each operand)")

@@ -188,7 +188,8 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   else:
     geometry = GemmGeometry(
         dataflow=match.dataflow, row_axis=match.row_axis, col_axis=match.col_axis,
-        row_size=ctx.axis_sizes[match.row_axis], col_size=ctx.axis_sizes[match.col_axis],
+        row_size=ctx.axis_sizes.get(match.row_axis, 1),
+        col_size=ctx.axis_sizes.get(match.col_axis, 1),
         **common)
     mesh_axes = (match.row_axis, match.col_axis)
   decided = dict(dataflow=match.dataflow, mesh_axes=mesh_axes,

@@ -67,8 +67,8 @@ class Report:
     rows = []
     for s in self.sites:
       if s.rewritten:
-        axes = (f"r={s.mesh_axes[0]} c={s.mesh_axes[1]}" if len(s.mesh_axes) == 2
-                else f"axis={s.mesh_axes[0]}")
+        axes = (f"r={s.mesh_axes[0] or '-'} c={s.mesh_axes[1] or '-'}"
+                if len(s.mesh_axes) == 2 else f"axis={s.mesh_axes[0]}")
         plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {axes}"
       else:
         plan = "left alone"

@@ -39,6 +39,10 @@ def supports(algorithm: str, geometry) -> str:
     return oned.unsupported(geometry)
   if not isinstance(geometry, GemmGeometry):
     return f"geometry must be a GemmGeometry or OneDGeometry, got {type(geometry).__name__}"
+  if None in (geometry.row_axis, geometry.col_axis) and algorithm not in ("meshslice",
+                                                                          "collective"):
+    return (f"{algorithm} needs two mesh axes; this site communicates over one "
+            "(an OS site with a size-1 axis): use meshslice or collective")
   if algorithm == "cannon":
     return cannon.unsupported(geometry)
   if algorithm == "wang":

@@ -51,7 +51,9 @@ class GemmGeometry(_Slicing):
     dimension_numbers: the dot_general's ((lhs_contract, rhs_contract),
       (lhs_batch, rhs_batch)), unchanged from the original program.
     dataflow: "os", "ls" or "rs" (which matrix stays put).
-    row_axis, col_axis: the two mesh axis names (r and c in DESIGN.md section 4).
+    row_axis, col_axis: the two mesh axis names (r and c in DESIGN.md section 4). For
+      "os" one of them may be None with size 1: that operand holds K whole, and only the
+      other is gathered (e.g. Y[M:a, N] = X[M:a, K] . all_gather(W[K:a, N])).
     row_size, col_size: their sizes R and C.
     lhs_dim: the lhs dim that is communicated (os: the sharded contracting dim;
       rs: the sharded free dim M), or None (ls).

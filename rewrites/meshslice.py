@@ -54,6 +54,7 @@ def build_meshslice(geometry: GemmGeometry, ksplit: int):
 
     os:  for s: Xs = all_gather(slice(X, s), col, K); Ws = all_gather(slice(W, s), row, K)
                 Y += Xs . Ws                                   # Y stays put
+         (one of row/col may be None with size 1: that operand is not gathered)
     ls:  for s: Ws = all_gather(slice(W, s), row, N)
                 Y[slice s] = reduce_scatter(X . Ws, col, N)    # X stays put
     rs:  for s: Xs = all_gather(slice(X, s), col, M)
@@ -90,14 +91,18 @@ def build_collective(geometry: GemmGeometry):
   return build_meshslice(geometry, 1)
 
 
+def _gather(x, axis, dim):
+  # axis None: that operand holds the dim whole already (the 1D case of OS, where one
+  # mesh axis has size 1 -- e.g. a sequence-parallel weight gradient)
+  return x if axis is None else lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
 def _output_stationary(g: GemmGeometry, ksplit, block, lhs, rhs):
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
 
   def gather(x, w, s):
-    xs = lax.all_gather(take_slice(x, g.lhs_dim, ksplit, block, s), g.col_axis,
-                        axis=g.lhs_dim, tiled=True)
-    ws = lax.all_gather(take_slice(w, g.rhs_dim, ksplit, block, s), g.row_axis,
-                        axis=g.rhs_dim, tiled=True)
+    xs = _gather(take_slice(x, g.lhs_dim, ksplit, block, s), g.col_axis, g.lhs_dim)
+    ws = _gather(take_slice(w, g.rhs_dim, ksplit, block, s), g.row_axis, g.rhs_dim)
     return xs, ws
 
   x, w = lhs, rhs
