@@ -114,9 +114,8 @@ def _is_explicit(sharding):
 
 
 def _bind(eqn, invals, params):
-  bind_params = dict(eqn.primitive.get_bind_params(params))
-  subfuns = bind_params.pop("subfuns", ())
-  outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  # as jax.core.eval_jaxpr does: the bind params may carry "subfuns" (custom_vjp_call)
+  outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
   return outs if eqn.primitive.multiple_results else [outs]
 
 

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
+from jax.extend import source_info_util
 
 from helpers import assert_trees_close, collective_counts, mesh
 
@@ -242,3 +243,66 @@ def test_batch_split_over_data_and_row_axes():
   # entries of ~1e-3 -- so it cannot serve as the reference here.)
   reference = jax.jit(step)(np.asarray(x), np.asarray(w))
   assert_trees_close(meshslice.transform(f, ksplit=2)(x, w), reference)
+
+
+def test_custom_vjp_and_custom_jvp_bodies_are_rewritten():
+  msh, s, (x, w1, w2) = _setup()
+
+  @jax.custom_vjp
+  def layer(x, w):
+    return jnp.tanh(x @ w)
+
+  def layer_fwd(x, w):
+    y = layer(x, w)
+    return y, (x, w, y)
+
+  def layer_bwd(res, g):
+    x, w, y = res
+    g = g * (1 - y ** 2)
+    return g @ w.T, x.T @ g
+
+  layer.defvjp(layer_fwd, layer_bwd)
+
+  @jax.custom_jvp
+  def smooth(x, w):
+    return jax.nn.softplus(x @ w)
+
+  @smooth.defjvp
+  def smooth_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    return smooth(x, w), jax.nn.sigmoid(x @ w) * (dx @ w + x @ dw)
+
+  def loss(x, w1, w2):
+    return jnp.sum(smooth(layer(x, w1), w2) ** 2)
+
+  f = jax.jit(loss, in_shardings=(s, s, s))
+  g = jax.jit(jax.grad(loss, argnums=(1, 2)), in_shardings=(s, s, s))
+  contexts = {site.context for site in meshslice.explain(f)(x, w1, w2).rewritten}
+  assert contexts == {"custom_vjp_call", "custom_jvp_call"}
+  assert_trees_close(meshslice.transform(f, ksplit=2)(x, w1, w2), f(x, w1, w2))
+  assert_trees_close(meshslice.transform(g, ksplit=2)(x, w1, w2), g(x, w1, w2))
+
+
+def test_existing_shard_map_is_left_as_is_and_source_info_is_kept():
+  msh, s, (x, w1, w2) = _setup()
+
+  def local(a, b):
+    return a @ b      # already hand-partitioned: not a site
+
+  def f(x, w1, w2):
+    h = jax.shard_map(local, mesh=msh, in_specs=(P("x", None), P(None, "y")),
+                      out_specs=P("x", "y"))(x, w1)
+    return jnp.tanh(h) @ w2
+
+  jf = jax.jit(f, in_shardings=(s, s, s))
+  report = meshslice.explain(jf)(x, w1, w2)
+  assert len(report.sites) == 1 and report.sites[0].rewritten
+  emitted = jax.make_jaxpr(meshslice.transform(jf))(x, w1, w2)
+  inner = emitted.eqns[0].params["jaxpr"].jaxpr
+  user_map = [e for e in inner.eqns if e.primitive.name == "shard_map"][0]
+  assert user_map.params["in_specs"] == (P("x", None), P(None, "y"))
+  tanh = [e for e in inner.eqns if e.primitive.name == "tanh"][0]
+  line = f.__code__.co_firstlineno + 3
+  assert f"test_transform.py:{line}" in source_info_util.summarize(tanh.source_info)
+  assert_trees_close(meshslice.transform(jf)(x, w1, w2), jf(x, w1, w2))
