@@ -136,6 +136,9 @@ class HardwareProfile:
       hop latencies (s) and fixed per-call overheads (s) of each collective kind.
     gemm: the GEMM-efficiency model.
     description: where the numbers come from.
+    overlap: whether communication can run beside computation on this hardware (False
+      for the CPU backend, whose collectives are synchronous): without it every
+      schedule's streams run one after another, so slicing only adds overheads.
 
   Example:
     >>> p = load_profile("tpu-v4")
@@ -152,6 +155,7 @@ class HardwareProfile:
   permute: CollectiveParams
   gemm: GemmEfficiency
   description: str = ""
+  overlap: bool = True
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -186,6 +190,7 @@ class HardwareProfile:
         "gemm_efficiency": {"max_efficiency": self.gemm.max_efficiency,
                             "m_sat": self.gemm.m_sat, "n_sat": self.gemm.n_sat,
                             "k_sat": self.gemm.k_sat},
+        "overlap": self.overlap,
     }
 
 
@@ -229,8 +234,11 @@ def profile_from_json_dict(data) -> HardwareProfile:
     values[key] = _field(g, key, "gemm_efficiency")
     _check_number(values[key], f"gemm_efficiency.{key}", positive=True,
                   at_most=1.0 if key == "max_efficiency" else None)
+  overlap = data.get("overlap", True)      # optional: older files predate it
+  if not isinstance(overlap, bool):
+    raise ValueError(f"field 'overlap' must be true or false, got {overlap!r}")
   return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
-                         description=description, **params)
+                         description=description, overlap=overlap, **params)
 
 
 def _builtin_dir():

@@ -315,12 +315,16 @@ class Schedule:
   stages: tuple[Stage, ...]
   options: tuple[tuple[str, object], ...] = ()
   note: str = ""
+  overlap: bool = True
 
   def cost(self) -> Cost:
     compute = sum(st.repeat * st.stream_time("compute") for st in self.stages)
     comm = sum(st.repeat * max(st.stream_time("row"), st.stream_time("col"))
                for st in self.stages)
-    total = sum(st.repeat * st.duration for st in self.stages)
+    if self.overlap:
+      total = sum(st.repeat * st.duration for st in self.stages)
+    else:   # the streams of a stage run one after another (profile.overlap is False)
+      total = sum(st.repeat * sum(st.stream_time(s) for s in STREAMS) for st in self.stages)
     return Cost(compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, total - compute),
                 total_s=total)
 
@@ -659,7 +663,8 @@ def schedule(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int,
   profile = load_profile(profile)
   stages, note = _SCHEDULES[algorithm][0](problem, dataflow, ksplit, profile, **options)
   return Schedule(problem=problem, algorithm=algorithm, dataflow=dataflow, ksplit=ksplit,
-                  stages=tuple(stages), options=tuple(sorted(options.items())), note=note)
+                  stages=tuple(stages), options=tuple(sorted(options.items())), note=note,
+                  overlap=profile.overlap)
 
 
 def algorithm_doc(algorithm: str) -> str:

@@ -752,6 +752,8 @@ def main(argv=None) -> int:
          ", peak_flops = best measured throughput."))
   profile = build_profile(name=name, collective_fits=fits, gemm_fit=gemm_fit,
                           description=description, base=base)
+  # CPU collectives are synchronous: nothing overlaps, whatever the fitted numbers say
+  profile = dataclasses.replace(profile, overlap=platform != "cpu")
   if lead:
     print(render_fits(fits, gemm_fit))
     save_profile(profile, args.out)

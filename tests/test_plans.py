@@ -137,3 +137,30 @@ def test_predicted_timeline_trace(tmp_path):
   assert spans and all(e["dur"] >= 0 for e in spans)
   names = {e["name"] for e in spans}
   assert any("all" in n.lower() or "gather" in n.lower() for n in names)
+
+
+def test_profile_without_overlap_never_slices(tmp_path):
+  # GPT-3-sized abstract operands: on tpu-v4 slicing pays; on a backend whose collectives
+  # cannot overlap computation (the CPU profile says overlap: false) it never does
+  from meshslice.costmodel import load_profile, save_profile
+  import dataclasses
+  msh = mesh((2, 4))
+  s = NamedSharding(msh, P("x", "y"))
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=s)
+  args = (spec((16384, 12288)), spec((12288, 49152)), spec((49152, 12288)))
+  f = jax.jit(_mlp)
+  tpu = meshslice.explain(f)(*args)
+  assert {(x.algorithm, x.ksplit > 1) for x in tpu.rewritten} == {("meshslice", True)}
+  serial = dataclasses.replace(load_profile("tpu-v4"), name="tpu-v4-serial", overlap=False)
+  path = tmp_path / "serial.json"
+  save_profile(serial, str(path))
+  assert load_profile(str(path)).overlap is False
+  report = meshslice.explain(f, profile=str(path))(*args)
+  assert {(x.algorithm, x.ksplit) for x in report.rewritten} == {("collective", 1)}
+  assert load_profile("cpu").overlap is False
+  data = json.loads(path.read_text())
+  data["overlap"] = "no"
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match=re.escape("profile: ") + r".*field 'overlap' must be "
+                     "true or false, got 'no'"):
+    meshslice.transform(f, profile=str(path))
