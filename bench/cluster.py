@@ -4,6 +4,8 @@
 Each app does `import cluster` (bench/ is on sys.path when it runs as a script) and
 calls `cluster.start()` first thing in `main`.
 """
+import json
+
 import jax
 from absl import flags
 
@@ -29,3 +31,11 @@ def start():
                                 ("num_processes", NUM_PROCESSES.value),
                                 ("process_id", PROCESS_ID.value)) if v is not None}
     jax.distributed.initialize(**kwargs)
+
+
+def write_jsonl(path, records):
+  """Write one JSON object per line (sorted keys, so files diff cleanly) and say so."""
+  with open(path, "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r, sort_keys=True) + "\n")
+  print(f"{len(records)} records written to {path}")

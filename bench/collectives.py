@@ -16,7 +16,6 @@ plus GEMMs and writes a profile.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -90,10 +89,7 @@ def main(argv):
   from meshslice.calibrate import render_fits
   print(render_fits(fits, None))
   if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
-      for r in rows:
-        f.write(json.dumps(r, sort_keys=True) + "\n")
-    print(f"{len(rows)} records written to {_OUT.value}")
+    cluster.write_jsonl(_OUT.value, rows)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -308,10 +307,7 @@ def main(argv):
     return
   print(render(records))
   if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
-      for r in records:
-        f.write(json.dumps(r, sort_keys=True) + "\n")
-    print(f"{len(records)} records written to {_OUT.value}")
+    cluster.write_jsonl(_OUT.value, records)
 
 
 if __name__ == "__main__":

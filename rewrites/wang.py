@@ -162,26 +162,23 @@ def build_wang(geometry: GemmGeometry, ksplit: int = 1, bidirectional: bool = Fa
 
 def _os(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs):
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  if which == "col":     # X's K-gather over col is the ring; W is gathered whole
-    other = lax.all_gather(rhs, g.row_axis, axis=g.rhs_dim, tiled=True)
+  # which == "col": X's K-gather over col is the ring and W is gathered whole over row;
+  # "row": the mirror image
+  ring_is_lhs = which == "col"
+  ring, ring_dim, ring_axis, ring_size = (
+      (lhs, g.lhs_dim, g.col_axis, g.col_size) if ring_is_lhs else
+      (rhs, g.rhs_dim, g.row_axis, g.row_size))
+  other_dim = g.rhs_dim if ring_is_lhs else g.lhs_dim
+  other = lax.all_gather(rhs if ring_is_lhs else lhs,
+                         g.row_axis if ring_is_lhs else g.col_axis, axis=other_dim, tiled=True)
 
-    def consume(acc, piece, start):
-      w = lax.dynamic_slice_in_dim(other, start, piece.shape[g.lhs_dim], axis=g.rhs_dim)
-      part = _local_dot(g, piece, w, acc_dtype)
-      return part if acc is None else acc + part
+  def consume(acc, piece, start):
+    matching = lax.dynamic_slice_in_dim(other, start, piece.shape[ring_dim], axis=other_dim)
+    a, b = (piece, matching) if ring_is_lhs else (matching, piece)
+    part = _local_dot(g, a, b, acc_dtype)
+    return part if acc is None else acc + part
 
-    acc = ring_all_gather(lhs, g.lhs_dim, g.col_axis, g.col_size, ksplit, bidirectional,
-                          consume)
-  else:
-    other = lax.all_gather(lhs, g.col_axis, axis=g.lhs_dim, tiled=True)
-
-    def consume(acc, piece, start):
-      x = lax.dynamic_slice_in_dim(other, start, piece.shape[g.rhs_dim], axis=g.lhs_dim)
-      part = _local_dot(g, x, piece, acc_dtype)
-      return part if acc is None else acc + part
-
-    acc = ring_all_gather(rhs, g.rhs_dim, g.row_axis, g.row_size, ksplit, bidirectional,
-                          consume)
+  acc = ring_all_gather(ring, ring_dim, ring_axis, ring_size, ksplit, bidirectional, consume)
   return _finish(g, acc, lhs, rhs)
 
 
