@@ -1,0 +1,874 @@
+"""Read what the TPU compiler made of a program, and predict its step time.
+
+`compiled.as_text()` of a program compiled for TPU (ahead of time on a CPU machine, see
+`meshslice.aot`, or on a TPU) is *scheduled* HLO: the instructions of each computation
+appear in the order they run, and most carry the compiler's own cost estimate in their
+backend config (`"estimated_cycles":"151690"`, chip cycles). This module turns that text
+into data and walks it:
+
+  read_schedule(text)  -> Schedule: per instruction of the entry computation, in order,
+                          with `while` loops as Loop entries (body + trip count);
+                          `Schedule.expanded()` repeats each body trip-count times
+  summarize(schedule)  -> Summary: compute cycles (dot / relayout copy / other),
+                          collectives by kind (count, bytes), sync vs async, loops,
+                          windowed-einsum loops
+  simulate(schedule, profile) -> Simulation: the predicted step time
+
+What an instruction is (`Op.kind`):
+
+  dot          a convolution / dot, or a fusion whose computation contains one
+  copy         a relayout: a `copy` (or a fusion that is only a copy / transpose) whose
+               result layout differs from its operand's (`{1,0:T(8,128)}` ->
+               `{0,1:T(8,128)}`); a copy that only changes memory space is "other"
+  collective   a synchronous all-gather / reduce-scatter / all-reduce / all-to-all /
+               collective-permute: the chip waits for it
+  start, done  the two halves of an asynchronous collective: XLA's `all-gather-start` /
+               `-done` (and the other kinds), `async-start` / `async-done` around a
+               collective, and libtpu's async collective fusions (`fusion` instructions
+               named `async-collective-start` / `-done` whose computations end in the
+               `AsyncCollectiveStart` / `AsyncCollectiveDone` custom calls). What is
+               scheduled between a start and its done runs while the collective moves.
+  dma          async memory moves with no compute estimate (copy-start/-done,
+               slice-start/-done): not modelled
+  loop         a `while` (Schedule entries of type Loop)
+  other        everything else: elementwise fusions, slices, reductions (their
+               estimated cycles count as compute), and free ops (parameter, bitcast,
+               get-tuple-element, tuple, constant)
+
+Trip counts. A `while` runs its body `known_trip_count` times when the compiler states it
+in the backend config; otherwise the bound is the integer constant its condition compares
+the loop counter with (`i < 4`: 4 trips, `i <= 4`: 5; counters are assumed to start at
+the constant the loop's initial tuple gives them, or 0). A loop whose trip count cannot
+be read counts once (`Loop.trip_count_known` is False).
+
+Windowed einsum. XLA's collective matmul ("windowed einsum") compiles a sharded matmul
+into a `while` whose body passes chunks around a ring with collective-permutes and
+multiplies each chunk; a Loop whose body holds both collective-permutes and dots is
+flagged `windowed_einsum`.
+
+Compute inside async collective fusions. With libtpu's async collective fusion
+(`--xla_tpu_enable_async_collective_fusion=true`), the compute that overlaps a collective
+is fused with the collective's continuation (`async_collective_fusion.N`, a kOutput
+fusion). On libtpu 0.0.42 such fusions carry their own estimated cycles; the start and
+done fusions do not (they issue and wait). Any dot-bearing fusion without an estimate
+gets one from its FLOPs at the chip's peak (`Op.cycles_source == "flops"`), so nothing
+is silently free; compiling the same program a second time without the async flags
+gives the compiler's own estimate for the same work (`meshslice.aot` does both).
+
+Bytes. `Op.bytes` is the size of the result (for an async start: of the collective's
+output). `Op.moved_bytes` is what one device sends for a collective, assuming rings over
+a group of n devices (as `meshslice.hlo` counts them): all-gather and all-to-all result *
+(n-1)/n, reduce-scatter result * (n-1), all-reduce 2 * result * (n-1)/n,
+collective-permute result.
+
+Simulation (`simulate`). One compute stream and one link stream per profile dim (0, 1):
+
+  compute op      t += cycles / clock_hz
+  sync collective starts when the chip reaches it and its link is free; t = its end
+  async start     starts when the chip reaches it and its link is free (t unchanged)
+  async done      t = max(t, end of its collective)
+
+Collective durations come from the project's ICI model (`timing.collective_time`,
+`permute_time`, `all_reduce_time` with the profile's bandwidths, hop latencies and
+overheads); a collective's link is profile dim 1 when its replica group is made of
+consecutive partitions (the minor mesh axis), else dim 0. Loops run their body
+trip-count times. Compute cycles are the compiler's (or FLOP-derived, see above).
+
+Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
+  >>> text = '''
+  ... HloModule m, is_scheduled=true, num_partitions=4
+  ... ENTRY %main (p: bf16[1024,1024]) -> bf16[1024,1024] {
+  ...   %p = bf16[1024,1024]{1,0} parameter(0)
+  ...   %ag = bf16[4096,1024]{1,0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+  ...   ROOT %f = bf16[1024,1024]{1,0} fusion(%ag), kind=kOutput, calls=%c, backend_config={"estimated_cycles":"1050000"}
+  ... }'''
+  >>> s = read_schedule(text)
+  >>> [(op.name, op.kind, op.cycles) for op in s.expanded()]
+  [('p', 'other', 0), ('ag', 'collective', 0), ('f', 'other', 1050000)]
+  >>> summarize(s).compute_cycles, summarize(s).collective_count
+  (1050000, {'all-gather': 1})
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Iterator, Union
+
+import numpy as np
+
+from .profiles import HardwareProfile, load_profile
+from .timing import all_reduce_time, collective_time, permute_time
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+               "collective-permute")
+KINDS = ("dot", "copy", "collective", "start", "done", "dma", "loop", "other")
+
+# Clock of each TPU generation's TensorCore (Hz): estimated_cycles / clock = seconds.
+# v4: 1.05 GHz (DESIGN.md section 6b). v5e: 1.5 GHz, v5p: 1.75 GHz, v6e: 1.75 GHz:
+# public bf16 peaks (1.97e14, 4.59e14, 9.18e14 FLOP/s) divided by the MXU FLOPs per cycle
+# (v5e 4 x 128x128 MXUs, v5p 2 cores x 4 x 128x128, v6e 4 x 256x256; 2 FLOPs per MAC).
+CLOCK_HZ = {"tpu-v4": 1.05e9, "tpu-v5e": 1.5e9, "tpu-v5p": 1.75e9, "tpu-v6e": 1.75e9}
+# Dense bf16 MXU FLOPs per cycle per chip (the peak the FLOP-based fallback divides by).
+FLOPS_PER_CYCLE = {"tpu-v4": 262144, "tpu-v5e": 131072, "tpu-v5p": 262144,
+                   "tpu-v6e": 524288}
+
+_ITEMSIZE = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
+             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+             "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
+             "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0}
+_COMMENT = re.compile(r"/\*.*?\*/")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_CALLS = re.compile(r"\b(calls|to_apply|condition|body|branch_computations|"
+                    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_FREE = frozenset(("parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+                   "after-all", "partition-id", "replica-id", "opt-barrier",
+                   "optimization-barrier", "add-dependency"))
+_DMA = frozenset(("copy-start", "copy-done", "slice-start", "slice-done", "send", "recv",
+                  "send-done", "recv-done"))
+
+
+# ----------------------------------------------------------------------------- parsing
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Instr:
+  name: str
+  type_text: str
+  opcode: str
+  operands: tuple[str, ...]
+  attrs: str
+  root: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Computation:
+  name: str
+  entry: bool
+  instrs: dict          # name -> _Instr, in schedule (text) order
+
+
+def _close_paren(text: str) -> int:
+  """Index of the ')' closing an already-open '(' in `text` (or len(text))."""
+  depth = 1
+  for i, ch in enumerate(text):
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      depth -= 1
+      if depth == 0:
+        return i
+  return len(text)
+
+
+def _parse_line(line: str) -> _Instr | None:
+  match = _INSTR.match(line)
+  if not match:
+    return None
+  root, name, type_text, opcode, rest = match.groups()
+  end = _close_paren(rest)
+  args, attrs = rest[:end], rest[end + 1:]
+  operands = () if opcode in ("constant", "parameter") else tuple(
+      re.findall(r"%([\w.\-]+)", args))
+  if opcode == "constant":
+    attrs = f"value=({args}) {attrs}"
+  elif opcode == "parameter":
+    attrs = f"number=({args}) {attrs}"
+  return _Instr(name=name, type_text=type_text.strip(), opcode=opcode, operands=operands,
+                attrs=attrs, root=bool(root))
+
+
+def parse_module(text: str) -> tuple[dict, str | None, dict]:
+  """({computation name: _Computation}, entry name, module attributes) of HLO text.
+
+  Module attributes: `num_partitions`, `replica_count` (ints) and `is_scheduled` (bool)
+  from the HloModule line.
+  """
+  comps, entry, module = {}, None, {}
+  current, instrs = None, None
+  for raw in text.splitlines():
+    if raw.startswith("HloModule"):
+      module = {k: int(v) for k, v in re.findall(r"\b(num_partitions|replica_count)=(\d+)",
+                                                  raw)}
+      module["is_scheduled"] = "is_scheduled=true" in raw
+      continue
+    if not raw[:1].isspace() and raw.rstrip().endswith("{"):
+      header = _HEADER.match(_COMMENT.sub("", raw))
+      if header:
+        current, instrs = header.group(2), {}
+        if header.group(1):
+          entry = current
+        continue
+    if current is not None and raw.strip() == "}":
+      comps[current] = _Computation(name=current, entry=current == entry, instrs=instrs)
+      current = None
+      continue
+    if current is not None:
+      instr = _parse_line(_COMMENT.sub("", raw))
+      if instr is not None:
+        instrs[instr.name] = instr
+  if entry is None and comps:
+    raise ValueError("the HLO text has no ENTRY computation; pass the whole module "
+                     "(compiled.as_text()), not a fragment")
+  return comps, entry, module
+
+
+def _called(instr: _Instr) -> dict:
+  """{role: [computation names]} of an instruction (calls=, body=, condition=, ...)."""
+  out = {}
+  for role, names in _CALLS.findall(instr.attrs):
+    out.setdefault(role, []).extend(re.findall(r"%?([\w.\-]+)", names.strip("{}")))
+  return out
+
+
+def _arrays(type_text: str):
+  """[(dtype, dims, layout text)] of every array in a (possibly tuple) type."""
+  out = []
+  for dtype, dims, layout in _ARRAY.findall(type_text):
+    if dtype in _ITEMSIZE:
+      out.append((dtype, tuple(int(d) for d in dims.split(",") if d), layout or ""))
+  return out
+
+
+def _nbytes(type_text: str) -> int:
+  return int(sum(math.prod(dims) * _ITEMSIZE[dtype] for dtype, dims, _ in _arrays(type_text)))
+
+
+def _layout_key(type_text: str) -> tuple:
+  """The layouts of a type, memory space (S(n)) removed: what a relayout changes."""
+  return tuple(re.sub(r"S\(\d+\)", "", layout) for _, _, layout in _arrays(type_text))
+
+
+def _top_level_parts(type_text: str) -> list[str]:
+  """Elements of a tuple type '(a, b, ...)' (or [type_text] for an array type)."""
+  text = type_text.strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text[1:-1], start=1):
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      parts.append(text[start:i].strip())
+      start = i + 1
+  parts.append(text[start:-1].strip())
+  return [p for p in parts if p]
+
+
+def _replica_group(attrs: str, devices: int) -> tuple[int, ...]:
+  """The first replica group of a collective, as partition ids (empty if unknown)."""
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if mesh:
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))]
+    chosen = set(re.findall(r"'([^']+)'", mesh.group(2)))
+    ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes] or [1])
+    index = tuple(slice(None) if a in chosen else 0 for a, _ in axes)
+    return tuple(int(v) for v in ids[index].ravel())
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+  if iota:
+    groups, size = int(iota.group(1)), int(iota.group(2))
+    dims = [int(d) for d in iota.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(4):
+      ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+    return tuple(int(v) for v in ids.reshape(groups, size)[0])
+  explicit = re.search(r"replica_groups=\{\{([0-9,\s]*)\}", attrs)
+  if explicit:
+    return tuple(int(v) for v in explicit.group(1).split(",") if v.strip())
+  if re.search(r"replica_groups=\{\}", attrs):
+    return tuple(range(devices))
+  pairs = re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", attrs)
+  if pairs:
+    return (int(pairs.group(1)), int(pairs.group(2)))
+  return ()
+
+
+# ----------------------------------------------------------------------------- data
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Op:
+  """One scheduled instruction.
+
+  Attributes:
+    name, opcode: as in the HLO text.
+    kind: one of KINDS (see the module docstring).
+    cycles: the compiler's estimated cycles (0 where it gives none), or FLOP-derived for
+      a dot fusion without an estimate (`cycles_source` says which: "compiler", "flops"
+      or "" for none).
+    bytes: bytes of the result (for an async start: of the collective's output).
+    collective: for collectives, starts and dones: the collective kind (COLLECTIVES);
+      else "".
+    group: the first replica group (partition ids) of a collective; size n = len(group).
+    moved_bytes: bytes one device sends in the collective (module docstring), 0 else.
+    link: profile dim (0 or 1) the collective travels over: 1 when its group is
+      consecutive partitions (the minor mesh axis), else 0.
+    partner: for a start, the name of its done; for a done, the name of its start.
+    between: for a start, the names of the ops scheduled between it and its done.
+    between_cycles: for a start, the compute cycles scheduled between it and its done.
+    relayout: for copies: operand and result layouts differ (not just memory space).
+    flops: FLOPs of the dots inside (2 per multiply-add), 0 for non-dots.
+  """
+
+  name: str
+  opcode: str
+  kind: str
+  cycles: int = 0
+  cycles_source: str = ""
+  bytes: int = 0
+  collective: str = ""
+  group: tuple[int, ...] = ()
+  moved_bytes: float = 0.0
+  link: int = 0
+  partner: str = ""
+  between: tuple[str, ...] = ()
+  between_cycles: int = 0
+  relayout: bool = False
+  flops: float = 0.0
+
+  @property
+  def group_size(self) -> int:
+    return len(self.group)
+
+  @property
+  def is_async(self) -> bool:
+    return self.kind in ("start", "done")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Loop:
+  """A `while` of the schedule: its body runs `trip_count` times.
+
+  `windowed_einsum`: the body (including nested calls) has collective-permutes and dots
+  (XLA's collective matmul).
+  """
+
+  name: str
+  trip_count: int
+  trip_count_known: bool
+  body: tuple["Entry", ...]
+  condition: str = ""
+  body_computation: str = ""
+  windowed_einsum: bool = False
+  kind: str = "loop"
+
+
+Entry = Union[Op, Loop]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+  """The entry computation's scheduled instructions (loops nested as Loop entries).
+
+  Attributes:
+    entries: Op / Loop records in schedule order.
+    num_partitions: devices the program is partitioned over (from the HloModule line).
+    scheduled: the module says `is_scheduled=true` (text order is the run order).
+  """
+
+  entries: tuple[Entry, ...]
+  num_partitions: int = 1
+  scheduled: bool = True
+
+  def expanded(self) -> Iterator[Op]:
+    """Every Op in run order, each loop body repeated trip_count times."""
+    yield from _expand(self.entries)
+
+  def loops(self) -> list[Loop]:
+    """All Loop entries, outer before inner."""
+    out = []
+    def visit(entries):
+      for e in entries:
+        if isinstance(e, Loop):
+          out.append(e)
+          visit(e.body)
+    visit(self.entries)
+    return out
+
+
+def _expand(entries) -> Iterator[Op]:
+  for e in entries:
+    if isinstance(e, Loop):
+      for _ in range(e.trip_count):
+        yield from _expand(e.body)
+    else:
+      yield e
+
+
+def _weighted(entries, times: int = 1) -> Iterator[tuple[Op, int]]:
+  """(op, how often it runs) without repeating bodies: for totals on big loops."""
+  for e in entries:
+    if isinstance(e, Loop):
+      yield from _weighted(e.body, times * e.trip_count)
+    else:
+      yield e, times
+
+
+# ----------------------------------------------------------------------------- reading
+
+class _Reader:
+  """Builds Op / Loop records from parsed computations."""
+
+  def __init__(self, comps: dict, devices: int, chip: str):
+    self.comps = comps
+    self.devices = devices
+    self.flops_per_cycle = FLOPS_PER_CYCLE.get(chip, FLOPS_PER_CYCLE["tpu-v4"])
+    self._contents = {}
+
+  # What a computation contains, recursively (through calls=, to_apply=, ...).
+  def contents(self, comp_name: str) -> dict:
+    if comp_name in self._contents:
+      return self._contents[comp_name]
+    self._contents[comp_name] = {}     # cycle guard
+    out = {"opcodes": set(), "targets": set(), "flops": 0.0, "collectives": []}
+    comp = self.comps.get(comp_name)
+    if comp is not None:
+      for instr in comp.instrs.values():
+        out["opcodes"].add(instr.opcode)
+        target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
+        if target:
+          out["targets"].add(target.group(1))
+        if instr.opcode in ("convolution", "dot"):
+          out["flops"] += self.dot_flops(comp, instr)
+        if instr.opcode in COLLECTIVES or instr.opcode.removesuffix("-start") in COLLECTIVES:
+          out["collectives"].append(instr)
+        for names in _called(instr).values():
+          for name in names:
+            inner = self.contents(name)
+            out["opcodes"] |= inner.get("opcodes", set())
+            out["targets"] |= inner.get("targets", set())
+            out["flops"] += inner.get("flops", 0.0)
+            out["collectives"] += inner.get("collectives", [])
+    self._contents[comp_name] = out
+    return out
+
+  def dot_flops(self, comp: _Computation, instr: _Instr) -> float:
+    """2 * output elements * contracted size of a dot / convolution."""
+    out = _arrays(instr.type_text)
+    if not out or not instr.operands:
+      return 0.0
+    lhs = comp.instrs.get(instr.operands[0])
+    lhs_arrays = _arrays(lhs.type_text) if lhs is not None else []
+    if not lhs_arrays:
+      return 0.0
+    lhs_dims = lhs_arrays[0][1]
+    if instr.opcode == "dot":
+      contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instr.attrs)
+      k = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d) \
+          if contracting else 1
+    else:   # convolution used as a matmul: dim_labels=bf_io->bf, contracted dim "f"
+      labels = re.search(r"dim_labels=([0-9a-z]+)_", instr.attrs)
+      k = lhs_dims[labels.group(1).index("f")] if labels and "f" in labels.group(1) \
+          and labels.group(1).index("f") < len(lhs_dims) else 1
+      window = re.search(r"window=\{size=([0-9x]+)", instr.attrs)
+      if window:
+        k *= math.prod(int(v) for v in window.group(1).split("x"))
+    return 2.0 * math.prod(out[0][1]) * k
+
+  def collective_op(self, instr: _Instr, kind_name: str, collective: str, *,
+                    result_type: str, partner: str = "") -> Op:
+    group = _replica_group(instr.attrs, self.devices)
+    if collective == "collective-permute":
+      group = group if group else (0, 1)      # (source, target) of its first pair
+      nbytes = _nbytes(result_type)
+      moved = float(nbytes)
+      link = 1 if abs(group[1] - group[0]) == 1 else 0
+    else:
+      nbytes = _nbytes(result_type)
+      n = max(1, len(group))
+      moved = {"all-gather": nbytes * (n - 1) / n, "all-to-all": nbytes * (n - 1) / n,
+               "reduce-scatter": float(nbytes * (n - 1)),
+               "all-reduce": 2 * nbytes * (n - 1) / n}[collective]
+      link = 1 if len(group) > 1 and all(b - a == 1 for a, b in zip(group, group[1:])) else 0
+    return Op(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=nbytes,
+              collective=collective, group=tuple(group), moved_bytes=moved, link=link,
+              partner=partner)
+
+  def op(self, comp: _Computation, instr: _Instr) -> Op:
+    opcode = instr.opcode
+    cycles = _CYCLES.search(instr.attrs)
+    cycles = int(cycles.group(1)) if cycles else 0
+    base = dict(name=instr.name, opcode=opcode, cycles=cycles,
+                cycles_source="compiler" if cycles else "", bytes=_nbytes(instr.type_text))
+    if opcode in COLLECTIVES:
+      return self.collective_op(instr, "collective", opcode, result_type=instr.type_text)
+    stem = opcode.removesuffix("-start").removesuffix("-done")
+    if stem in COLLECTIVES and opcode != stem:
+      parts = _top_level_parts(instr.type_text)
+      # all-gather-start etc. return (operands, outputs[, ...]); all-reduce-start the output
+      result = parts[1] if opcode.endswith("-start") and len(parts) >= 2 \
+          and stem != "all-reduce" else instr.type_text
+      return self.collective_op(instr, "start" if opcode.endswith("-start") else "done",
+                                stem, result_type=result)
+    if opcode in ("async-start", "async-done", "async-update"):
+      called = _called(instr).get("calls", [])
+      inner = self.contents(called[0])["collectives"] if called else []
+      if inner and opcode != "async-update":
+        c = inner[0]
+        return _renamed(self.collective_op(c, "start" if opcode == "async-start" else "done",
+                                  c.opcode, result_type=c.type_text), instr)
+      return Op(kind="other", **base)
+    if opcode in _DMA:
+      return Op(kind="dma", **base)
+    if opcode in _FREE:
+      return Op(kind="other", **base)
+    if opcode == "copy":
+      operand = comp.instrs.get(instr.operands[0]) if instr.operands else None
+      relayout = operand is not None and _layout_key(operand.type_text) != _layout_key(
+          instr.type_text)
+      return Op(kind="copy" if relayout else "other", relayout=relayout, **base)
+    if opcode in ("convolution", "dot"):
+      return self._dot(Op(kind="dot", flops=self.dot_flops(comp, instr), **base))
+    if opcode == "fusion":
+      called = _called(instr).get("calls", [])
+      inner = self.contents(called[0]) if called else {"opcodes": set(), "targets": set(),
+                                                       "flops": 0.0, "collectives": []}
+      if "AsyncCollectiveStart" in inner["targets"] or "AsyncCollectiveDone" in inner["targets"]:
+        start = "AsyncCollectiveStart" in inner["targets"]
+        if inner["collectives"]:
+          c = inner["collectives"][0]
+          return _renamed(self.collective_op(c, "start" if start else "done", c.opcode,
+                                    result_type=c.type_text), instr)
+      if inner["opcodes"] & {"convolution", "dot"}:
+        return self._dot(Op(kind="dot", flops=inner["flops"], **base))
+      if called and self._is_relayout_fusion(comp, instr, called[0]):
+        return Op(kind="copy", relayout=True, **base)
+    return Op(kind="other", **base)
+
+  def _dot(self, op: Op) -> Op:
+    if op.cycles or not op.flops:
+      return op
+    return dataclasses.replace(op, cycles=int(round(op.flops / self.flops_per_cycle)),
+                               cycles_source="flops")
+
+  def _is_relayout_fusion(self, comp, instr, called) -> bool:
+    inner = self.comps.get(called)
+    if inner is None:
+      return False
+    ops = {i.opcode for i in inner.instrs.values()} - {"parameter", "bitcast"}
+    if not ops or not ops <= {"copy", "transpose"}:
+      return False
+    operand = comp.instrs.get(instr.operands[0]) if len(instr.operands) == 1 else None
+    return operand is not None and _layout_key(operand.type_text) != _layout_key(
+        instr.type_text)
+
+  def entries(self, comp_name: str, depth: int = 0) -> tuple[Entry, ...]:
+    comp = self.comps[comp_name]
+    out = []
+    for instr in comp.instrs.values():
+      if instr.opcode == "while" and depth < 16:
+        out.append(self.loop(comp, instr, depth))
+      elif instr.opcode in ("call", "conditional") and depth < 16:
+        called = _called(instr)
+        names = called.get("to_apply", []) + called.get("calls", []) + \
+            called.get("branch_computations", []) + called.get("true_computation", []) + \
+            called.get("false_computation", [])
+        if instr.opcode == "call" and names:
+          out.extend(self.entries(names[0], depth + 1))
+        elif names:     # a conditional: its longest branch, by compute cycles (upper bound)
+          branches = [self.entries(n, depth + 1) for n in names if n in self.comps]
+          best = max(branches, key=lambda b: sum(o.cycles * t for o, t in _weighted(b)),
+                     default=())
+          out.extend(best)
+      else:
+        out.append(self.op(comp, instr))
+    return _pair_async(tuple(out), comp)
+
+  def loop(self, comp: _Computation, instr: _Instr, depth: int) -> Loop:
+    called = _called(instr)
+    body = called.get("body", [""])[0]
+    cond = called.get("condition", [""])[0]
+    trips = _TRIP.search(instr.attrs)
+    known = trips is not None
+    count = int(trips.group(1)) if trips else self.condition_bound(comp, instr, cond)
+    if count is None:
+      count, known = 1, False
+    else:
+      known = True
+    body_entries = self.entries(body, depth + 1) if body in self.comps else ()
+    content = self.contents(body) if body in self.comps else {"opcodes": set()}
+    ops = content.get("opcodes", set())
+    windowed = bool(ops & {"collective-permute", "collective-permute-start"}) and bool(
+        ops & {"convolution", "dot"})
+    return Loop(name=instr.name, trip_count=int(count), trip_count_known=known,
+                body=body_entries, condition=cond, body_computation=body,
+                windowed_einsum=windowed)
+
+  def condition_bound(self, caller: _Computation, instr: _Instr, cond: str) -> int | None:
+    """Trips of `while (i <dir> constant)`, counter starting at its initial constant or 0."""
+    comp = self.comps.get(cond)
+    if comp is None:
+      return None
+    compares = [(comp, i) for i in comp.instrs.values() if i.opcode == "compare"]
+    for i in comp.instrs.values():
+      for name in _called(i).get("calls", []):
+        inner = self.comps.get(name)
+        if inner is not None:
+          compares += [(inner, j) for j in inner.instrs.values() if j.opcode == "compare"]
+    constants = {}
+    for c in (comp,) + tuple(self.comps[n] for i in comp.instrs.values()
+                             for n in _called(i).get("calls", []) if n in self.comps):
+      for j in c.instrs.values():
+        if j.opcode == "constant":
+          value = re.match(r"value=\((-?\d+)\)", j.attrs)
+          if value:
+            constants[(c.name, j.name)] = int(value.group(1))
+    for where, cmp in compares:
+      direction = re.search(r"direction=([A-Z]+)", cmp.attrs)
+      direction = direction.group(1) if direction else "LT"
+      values = [constants.get((where.name, o)) for o in cmp.operands]
+      if len(values) != 2 or (values[0] is None) == (values[1] is None):
+        continue
+      bound = values[1] if values[1] is not None else values[0]
+      if values[0] is not None:       # constant on the left: flip the comparison
+        direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
+      start = 0
+      if direction == "LT":
+        return max(0, bound - start)
+      if direction == "LE":
+        return max(0, bound - start + 1)
+      if direction == "NE":
+        return max(0, bound - start)
+    return None
+
+
+def _renamed(op: Op, instr: _Instr) -> Op:
+  """The collective found inside an async wrapper, named after the wrapper instruction."""
+  return dataclasses.replace(op, name=instr.name, opcode=instr.opcode)
+
+
+def _operand_names(comp: _Computation, name: str) -> tuple[str, ...]:
+  instr = comp.instrs.get(name)
+  return instr.operands if instr is not None else ()
+
+
+def _pair_async(entries: tuple, comp: _Computation) -> tuple:
+  """Link each async done to its start (following operands back through
+  get-tuple-elements and continuation fusions), and record what runs in between."""
+  position = {e.name: i for i, e in enumerate(entries)}
+  starts = {e.name for e in entries if isinstance(e, Op) and e.kind == "start"}
+  pairs = {}
+  for i, e in enumerate(entries):
+    if not (isinstance(e, Op) and e.kind == "done"):
+      continue
+    frontier, seen, found = list(_operand_names(comp, e.name)), set(), None
+    while frontier and found is None:
+      name = frontier.pop(0)
+      if name in seen:
+        continue
+      seen.add(name)
+      if name in starts and name not in pairs.values():
+        found = name
+      elif position.get(name, -1) < i:
+        frontier.extend(_operand_names(comp, name))
+    if found is not None:
+      pairs[e.name] = found
+  out = list(entries)
+  for d, s in pairs.items():
+    i, j = position[s], position[d]
+    between = [x for x in entries[i + 1:j]]
+    cycles = sum(o.cycles * t for o, t in _weighted(between))
+    out[i] = dataclasses.replace(entries[i], partner=d,
+                                 between=tuple(x.name for x in between), between_cycles=cycles)
+    out[j] = dataclasses.replace(entries[j], partner=s)
+  return tuple(out)
+
+
+def read_schedule(text: str, *, chip: str = "tpu-v4") -> Schedule:
+  """The entry computation of compiled (scheduled) HLO text, as Op / Loop records.
+
+  chip: the profile name of the TPU generation (sets the FLOPs per cycle of the fallback
+  estimate for dot fusions the compiler gave no cycles; see the module docstring).
+
+  Example:
+    >>> s = read_schedule(compiled.as_text())                        # doctest: +SKIP
+    >>> [op.name for op in s.expanded() if op.kind == "copy"]         # doctest: +SKIP
+  """
+  comps, entry, module = parse_module(text)
+  if entry is None:
+    raise ValueError("read_schedule needs HLO text with an ENTRY computation")
+  devices = module.get("num_partitions", 1) * module.get("replica_count", 1)
+  reader = _Reader(comps, devices, chip)
+  return Schedule(entries=reader.entries(entry), num_partitions=devices,
+                  scheduled=module.get("is_scheduled", False))
+
+
+# ----------------------------------------------------------------------------- summary
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Summary:
+  """Totals of one execution of the program (loop bodies times their trip counts).
+
+  Attributes:
+    compute_cycles: sum of every op's cycles (dot + copy + other).
+    dot_cycles, copy_cycles, other_cycles: that sum split by kind.
+    relayout_copies: number of relayout copies run.
+    flop_estimated_cycles: the part of dot_cycles derived from FLOPs (no compiler
+      estimate), see the module docstring.
+    collective_count, collective_bytes: per collective kind (COLLECTIVES), the number
+      run and bytes one device sends (only kinds that occur).
+    sync_collectives, async_collectives: how many run synchronously / asynchronously.
+    overlap_cycles: compute cycles scheduled between async starts and their dones.
+    loops, windowed_einsum_loops: Loop entries (each counted once per time it runs).
+  """
+
+  compute_cycles: int
+  dot_cycles: int
+  copy_cycles: int
+  other_cycles: int
+  relayout_copies: int
+  flop_estimated_cycles: int
+  collective_count: dict
+  collective_bytes: dict
+  sync_collectives: int
+  async_collectives: int
+  overlap_cycles: int
+  loops: int
+  windowed_einsum_loops: int
+
+  @property
+  def total_collective_bytes(self) -> float:
+    return float(sum(self.collective_bytes.values()))
+
+
+def summarize(schedule: Schedule | str) -> Summary:
+  """Totals of a Schedule (or of HLO text, read with default options)."""
+  if isinstance(schedule, str):
+    schedule = read_schedule(schedule)
+  by_kind = {"dot": 0, "copy": 0}
+  other = relayouts = flop_cycles = sync = asyn = overlap = 0
+  count, moved = {}, {}
+  for op, times in _weighted(schedule.entries):
+    if op.kind in by_kind:
+      by_kind[op.kind] += op.cycles * times
+    else:
+      other += op.cycles * times
+    if op.kind == "copy":
+      relayouts += times
+    if op.cycles_source == "flops":
+      flop_cycles += op.cycles * times
+    if op.kind in ("collective", "start"):
+      count[op.collective] = count.get(op.collective, 0) + times
+      moved[op.collective] = moved.get(op.collective, 0.0) + op.moved_bytes * times
+      if op.kind == "collective":
+        sync += times
+      else:
+        asyn += times
+        overlap += op.between_cycles * times
+  loops, windowed = 0, 0
+  def visit(entries, times):
+    nonlocal loops, windowed
+    for e in entries:
+      if isinstance(e, Loop):
+        loops += times
+        windowed += times * e.windowed_einsum
+        visit(e.body, times * e.trip_count)
+  visit(schedule.entries, 1)
+  return Summary(compute_cycles=by_kind["dot"] + by_kind["copy"] + other,
+                 dot_cycles=by_kind["dot"], copy_cycles=by_kind["copy"], other_cycles=other,
+                 relayout_copies=relayouts, flop_estimated_cycles=flop_cycles,
+                 collective_count=count, collective_bytes=moved, sync_collectives=sync,
+                 async_collectives=asyn, overlap_cycles=overlap, loops=loops,
+                 windowed_einsum_loops=windowed)
+
+
+# ----------------------------------------------------------------------------- simulation
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Simulation:
+  """The predicted step of a scheduled program (seconds, per device).
+
+  Attributes:
+    step_s: predicted wall time of one execution.
+    compute_s: compute cycles / clock (the compute stream's busy time).
+    collective_s: sum of all collective durations (as if nothing overlapped).
+    sync_collective_s: the part of collective_s spent in synchronous collectives.
+    exposed_s: step_s - compute_s: communication (and link contention) not hidden.
+    clock_hz: the clock used.
+    profile: name of the hardware profile of the collective model.
+  """
+
+  step_s: float
+  compute_s: float
+  collective_s: float
+  sync_collective_s: float
+  exposed_s: float
+  clock_hz: float
+  profile: str
+
+
+def collective_seconds(op: Op, profile: HardwareProfile) -> float:
+  """Duration of one collective op under the project's ICI model (timing.py)."""
+  n = op.group_size
+  if op.collective == "collective-permute":
+    return permute_time(profile, op.link, op.bytes)
+  if n <= 1:
+    return 0.0
+  if op.collective == "all-gather" or op.collective == "all-to-all":
+    return collective_time(profile, "all_gather", op.link, n, op.bytes / n)
+  if op.collective == "reduce-scatter":
+    return collective_time(profile, "reduce_scatter", op.link, n, op.bytes)
+  if op.collective == "all-reduce":
+    return all_reduce_time(profile, op.link, n, op.bytes)
+  return 0.0
+
+
+def simulate(schedule: Schedule | str, profile: HardwareProfile | str = "tpu-v4", *,
+             clock_hz: float | None = None) -> Simulation:
+  """Walk the schedule: compiler cycles on one compute stream, collectives on one link
+  stream per profile dim; async collectives overlap what runs between start and done,
+  sync ones add (module docstring).
+
+  profile: a HardwareProfile or a profile name (`load_profile`); its collective numbers
+  time the collectives, its name picks the clock (CLOCK_HZ) unless clock_hz is given.
+
+  Example:
+    >>> sim = simulate(compiled.as_text(), "tpu-v4")               # doctest: +SKIP
+    >>> sim.step_s, sim.exposed_s                                   # doctest: +SKIP
+  """
+  if isinstance(profile, str):
+    profile = load_profile(profile)
+  if isinstance(schedule, str):
+    schedule = read_schedule(schedule, chip=profile.name)
+  if clock_hz is None:
+    if profile.name not in CLOCK_HZ:
+      raise ValueError(f"simulate: no TPU clock known for profile {profile.name!r} "
+                       f"(known: {sorted(CLOCK_HZ)}); pass clock_hz=")
+    clock_hz = CLOCK_HZ[profile.name]
+  state = {"t": 0.0, "links": {0: 0.0, 1: 0.0}, "pending": {}, "compute": 0.0,
+           "comm": 0.0, "sync": 0.0}
+  _run(schedule.entries, state, profile, clock_hz)
+  t = max([state["t"]] + list(state["pending"].values()))
+  return Simulation(step_s=t, compute_s=state["compute"], collective_s=state["comm"],
+                    sync_collective_s=state["sync"], exposed_s=max(0.0, t - state["compute"]),
+                    clock_hz=clock_hz, profile=profile.name)
+
+
+def _run(entries, state, profile, clock_hz):
+  for e in entries:
+    if isinstance(e, Loop):
+      for _ in range(e.trip_count):
+        _run(e.body, state, profile, clock_hz)
+      continue
+    if e.kind in ("collective", "start"):
+      seconds = collective_seconds(e, profile)
+      begin = max(state["t"], state["links"][e.link])
+      end = begin + seconds
+      state["links"][e.link] = end
+      state["comm"] += seconds
+      if e.kind == "collective":
+        state["sync"] += seconds
+        state["t"] = end
+      else:
+        state["pending"][e.partner or e.name] = end
+    elif e.kind == "done":
+      state["t"] = max(state["t"], state["pending"].pop(e.name, state["t"]))
+    elif e.cycles:
+      seconds = e.cycles / clock_hz
+      state["t"] += seconds
+      state["compute"] += seconds
