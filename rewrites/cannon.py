@@ -12,6 +12,7 @@ from jax import lax
 
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
 from .meshslice import _finish, _local_dot, accumulation_dtype
+from .slicing import pipeline_barrier
 from .wang import shift
 
 
@@ -104,7 +105,7 @@ def _os(g: GemmGeometry, ksplit, lhs, rhs):
       if not last:
         xs[c], ws[c] = x_next, w_next
         # Later chunks' shifts start from the barrier's output: no collective combining.
-        xs, ws, acc = lax.optimization_barrier((xs, ws, acc))
+        xs, ws, acc = pipeline_barrier((xs, ws, acc))
   return _finish(g, acc, lhs, rhs)
 
 
@@ -144,7 +145,7 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
       part = multiply(ms[c])
       if not last:
         ms[c] = m_next
-      ms, received, part = lax.optimization_barrier((ms, [v for *_, v in sent], part))
+      ms, received, part = pipeline_barrier((ms, [v for *_, v in sent], part))
       for (pc, final, _), v in zip(sent, received):
         (done if final else accs)[pc] = v
       total = part if t == 0 else accs[c].astype(part.dtype) + part

@@ -6,7 +6,7 @@ returns the local output block. The caller supplies the shard_map and its specs 
 `geometry.py` for the layouts of each dataflow).
 
 Pipelining: the collective for slice s+1 is issued beside the matmul of slice s, and an
-`optimization_barrier` joins them before step s+1 starts. Slice s+2 is cut from the
+`optimization_barrier` (`slicing.pipeline_barrier`) joins them before step s+1 starts. Slice s+2 is cut from the
 barrier's output, so its collective depends on the barrier and XLA's collective combiner
 cannot merge the S sliced collectives back into one.
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry
-from .slicing import assemble_slices, take_slice
+from .slicing import assemble_slices, pipeline_barrier, take_slice
 
 
 def accumulation_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
@@ -115,7 +115,7 @@ def _output_stationary(g: GemmGeometry, ksplit, block, lhs, rhs):
     part = _local_dot(g, x_cur, w_cur, acc_dtype)
     acc = part if acc is None else acc + part
     if not last:
-      x, w, x_cur, w_cur, acc = lax.optimization_barrier((x, w, x_next, w_next, acc))
+      x, w, x_cur, w_cur, acc = pipeline_barrier((x, w, x_next, w_next, acc))
   return _finish(g, acc, lhs, rhs)
 
 
@@ -152,9 +152,9 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
     part = multiply(m_cur)
     if not last:
       if pieces:
-        m, m_cur, part, pieces[-1] = lax.optimization_barrier((m, m_next, part, pieces[-1]))
+        m, m_cur, part, pieces[-1] = pipeline_barrier((m, m_next, part, pieces[-1]))
       else:
-        m, m_cur, part = lax.optimization_barrier((m, m_next, part))
+        m, m_cur, part = pipeline_barrier((m, m_next, part))
     pending = part
   pieces.append(scatter(pending))
   out = assemble_slices(pieces, g.out_dim, block)

@@ -26,7 +26,7 @@ from jax import lax
 
 from .geometry import OneDGeometry, extent_reason
 from .meshslice import _finish, _local_dot, accumulation_dtype
-from .slicing import assemble_slices, take_slice
+from .slicing import assemble_slices, pipeline_barrier, take_slice
 from .wang import ring_all_gather, ring_reduce_scatter
 
 
@@ -151,7 +151,7 @@ def _sliced_gather(g: OneDGeometry, ksplit, block, lhs, rhs):
     part = _multiply(g, which, cur, lhs, rhs, acc_dtype)
     if not last:
       # Slice s+2 is cut from the barrier's output: its gather cannot be combined.
-      m, cur, part = lax.optimization_barrier((m, nxt, part))
+      m, cur, part = pipeline_barrier((m, nxt, part))
     parts.append(part)
   return _finish(g, assemble_slices(parts, g.out_dim, block), lhs, rhs)
 
@@ -177,9 +177,9 @@ def _sliced_scatter(g: OneDGeometry, ksplit, block, lhs, rhs):
     part = multiply(src, s)
     if not last:
       if pieces:
-        src, part, pieces[-1] = lax.optimization_barrier((src, part, pieces[-1]))
+        src, part, pieces[-1] = pipeline_barrier((src, part, pieces[-1]))
       else:
-        src, part = lax.optimization_barrier((src, part))
+        src, part = pipeline_barrier((src, part))
     pending = part
   pieces.append(scatter(pending))
   return _finish(g, assemble_slices(pieces, g.out_dim, block), lhs, rhs)

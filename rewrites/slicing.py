@@ -8,8 +8,12 @@ operands sharded over different axes (R != C) deliver matching pieces of K.
 """
 from __future__ import annotations
 
+import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.mlir.dialects import stablehlo
+from jax.interpreters import ad, batching, mlir
 
 
 def take_slice(x, axis: int, ksplit: int, block: int, index: int):
@@ -43,3 +47,56 @@ def assemble_slices(pieces, axis: int, block: int):
              for p in pieces]
   stacked = jnp.stack(blocked, axis=axis + 1)
   return stacked.reshape(shape[:axis] + (shape[axis] * ksplit,) + shape[axis + 1:])
+
+
+
+# The pipelining barrier. `lax.optimization_barrier` requires, inside a type-checked
+# shard_map (check_vma=True), that all its operands vary over the same manual axes; a
+# pipeline step joins values that legitimately differ -- and the difference may only
+# appear after the body is traced: `jax.vmap(..., spmd_axis_name="b")` of a traced
+# shard_map makes the batched activations vary over "b" while an unbatched weight does
+# not, and no cast at trace time can anticipate that. So the barrier is its own
+# primitive: the same HLO op, every operand keeping its own type (vma included).
+pipeline_barrier_p = jax.extend.core.Primitive("pipeline_barrier")
+pipeline_barrier_p.multiple_results = True
+pipeline_barrier_p.def_impl(jax.jit(lambda *args: pipeline_barrier_p.bind(*args)))
+pipeline_barrier_p.def_abstract_eval(lambda *avals: avals)
+
+
+def _barrier_lowering(ctx, *args):
+  del ctx
+  return stablehlo.OptimizationBarrierOp(list(args)).results
+
+
+def _barrier_batcher(args, dims):
+  return pipeline_barrier_p.bind(*args), dims
+
+
+def _barrier_jvp(primals, tangents):
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  return pipeline_barrier_p.bind(*primals), pipeline_barrier_p.bind(*tangents)
+
+
+def _barrier_transpose(cts, *primals):
+  del primals
+  return pipeline_barrier_p.bind(*[ad.instantiate_zeros(ct) for ct in cts])
+
+
+mlir.register_lowering(pipeline_barrier_p, _barrier_lowering)
+batching.primitive_batchers[pipeline_barrier_p] = _barrier_batcher
+ad.primitive_jvps[pipeline_barrier_p] = _barrier_jvp
+ad.primitive_transposes[pipeline_barrier_p] = _barrier_transpose
+
+
+def pipeline_barrier(values):
+  """An optimization barrier over the pytree `values` (XLA may neither move work across
+  it nor merge what is computed on either side), whose leaves may vary over different
+  manual mesh axes.
+
+  Every pipelining step of the algorithms joins the collective of the next slice with the
+  matmul of the current one through this barrier. It lowers to the same HLO
+  `opt-barrier` as `lax.optimization_barrier`, but each leaf keeps its own type, so it
+  also works where the leaves' varying axes differ (see `pipeline_barrier_p`).
+  """
+  leaves, tree = jax.tree.flatten(values)
+  return jax.tree.unflatten(tree, pipeline_barrier_p.bind(*leaves))

@@ -17,6 +17,7 @@ from jax import lax
 
 from .geometry import GemmGeometry, extent_reason
 from .meshslice import _finish, _local_dot, accumulation_dtype
+from .slicing import pipeline_barrier
 
 RINGS = ("row", "col")
 
@@ -61,7 +62,7 @@ def ring_all_gather(moving, dim: int, axis: str, n: int, ksplit: int, bidirectio
       if not last:
         chunks = [sent.get(c, x) for c, x in enumerate(chunks)]
         # Later stages' sends start from the barrier's output: no collective combining.
-        chunks, carry = lax.optimization_barrier((chunks, carry))
+        chunks, carry = pipeline_barrier((chunks, carry))
   return carry
 
 
@@ -85,7 +86,7 @@ def ring_reduce_scatter(produce, axis: str, n: int, extent: int, out_dim: int, k
     for group in groups:
       sent = [(c, shift(v, axis, n, d)) for c, d, v in pending]
       made = [produce(((me - d * (1 + t)) % n) * extent + c * size, size) for c, d in group]
-      received, made = lax.optimization_barrier(([v for _, v in sent], made))
+      received, made = pipeline_barrier(([v for _, v in sent], made))
       for (c, _), v in zip(sent, received):
         accs[c] = v
       pending = []
