@@ -24,17 +24,26 @@ def _demo(argv) -> int:
     assert len(shape) == 2 and all(v >= 1 for v in shape) and shape[0] * shape[1] <= 8
   except (ValueError, AssertionError):
     parser.error(f"--mesh must be RxC with R*C <= 8 (the emulated devices), got {args.mesh!r}")
+  options = {"profile": args.profile}
+  if args.ksplit != "auto":
+    try:
+      ksplit = int(args.ksplit)
+    except ValueError:
+      ksplit = 0
+    if ksplit < 1:
+      parser.error(f"--ksplit must be a positive int (1 = no slicing) or 'auto', got "
+                   f"{args.ksplit!r}")
+    options.update(ksplit=ksplit, algorithm="meshslice")
+  from meshslice.costmodel import load_profile
+  try:
+    load_profile(args.profile)
+  except ValueError as e:
+    parser.error(f"--profile: {e}")
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", 8)
   from .demo import run_demo
-  options = {"profile": args.profile}
-  if args.ksplit != "auto":
-    try:
-      options.update(ksplit=int(args.ksplit), algorithm="meshslice")
-    except ValueError:
-      parser.error(f"--ksplit must be a positive int or 'auto', got {args.ksplit!r}")
   err = run_demo(shape, args.dtype, args.explicit, **options)
   tolerance = 1e-3 if args.dtype == "float32" else 5e-2
   if err > tolerance:
@@ -54,7 +63,11 @@ def main(argv=None) -> int:
     from . import calibrate as calibration
     return calibration.main(args)
 
-  commands = {"demo": _demo, "autotune": autotune, "calibrate": calibrate}
+  def aot(args):
+    from . import aot as ahead_of_time
+    return ahead_of_time.main(args)
+
+  commands = {"demo": _demo, "autotune": autotune, "calibrate": calibrate, "aot": aot}
   if not argv or argv[0] not in commands:
     print(f"usage: python -m meshslice {{{','.join(commands)}}} [options]", file=sys.stderr)
     return 2

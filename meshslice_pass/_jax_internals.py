@@ -63,6 +63,22 @@ def name_stack(eqn) -> str:
   return str(eqn.source_info.name_stack)
 
 
+def trace_state_clean() -> bool:
+  """True outside of any JAX trace (jit, grad, vmap, make_jaxpr, eval_shape)."""
+  return _core.trace_state_clean()
+
+
+def known_value(x):
+  """The value behind the tracers of forward-mode/linearize traces (jax.grad, jax.jvp,
+  jax.vjp), whose primal is the caller's concrete array; `x` itself otherwise."""
+  while isinstance(x, _core.Tracer):
+    primal = getattr(x, "primal", None)
+    if primal is None or getattr(primal, "shape", None) != getattr(x, "shape", ()):
+      return x
+    x = primal
+  return x
+
+
 def jit_params(traced) -> dict:
   """The params of the `jit` equation a `jax.jit(...).trace(...)` call produced."""
   return dict(traced._params)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 from meshslice.rewrites import ALGORITHMS
 
@@ -51,14 +53,20 @@ class Options:
     plan = kwargs.get("plan")
     if plan is not None:
       from .plan import Plan
-      if isinstance(plan, str):
+      if isinstance(plan, (str, os.PathLike)):
         kwargs = dict(kwargs, plan=Plan.load(plan))
       elif not isinstance(plan, Plan):
         raise ValueError("plan must be a meshslice.Plan or the path of a plan JSON file, got "
                          f"{type(plan).__name__}")
-    from meshslice.costmodel import load_profile
+    from meshslice.costmodel import HardwareProfile, known_profiles, load_profile
+    profile = kwargs.get("profile", DEFAULT_PROFILE)
+    if not isinstance(profile, (str, os.PathLike, HardwareProfile)):
+      raise TypeError(
+          f"profile must be a shipped hardware profile name ({', '.join(known_profiles())}), "
+          "the path of a profile JSON file, or a meshslice.costmodel.HardwareProfile, got "
+          f"{type(profile).__name__} {profile!r}; omit it for the default {DEFAULT_PROFILE!r}")
     try:
-      kwargs = dict(kwargs, profile=load_profile(kwargs.get("profile", DEFAULT_PROFILE)))
+      kwargs = dict(kwargs, profile=load_profile(profile))
     except ValueError as e:
       raise ValueError(f"profile: {e}") from None
     opts = cls(**kwargs)
@@ -84,9 +92,7 @@ class Options:
         raise ValueError("overrides must be a dict {site index or 'file:line': {...}}, got "
                          f"{type(self.overrides).__name__}")
       for key, pin in self.overrides.items():
-        if not isinstance(key, (int, str)) or isinstance(key, bool):
-          raise ValueError(f"overrides key {key!r} must be a site index (int) or a source "
-                           "location 'file:line' (str)")
+        _validate_override_key(key)
         _validate_pin(f"overrides[{key!r}]", pin)
 
   def request_for(self, *, index: int, source: str) -> "SiteRequest":
@@ -130,6 +136,65 @@ def _validate_pin(where: str, pin):
                      f"{pin['dataflow']!r}")
   if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
     raise ValueError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")
+
+
+_SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*args))"
+
+
+def _validate_override_key(key):
+  if isinstance(key, bool) or not isinstance(key, (int, str)):
+    raise ValueError(f"overrides key {key!r} must be a site index (int) or a source "
+                     f"location 'file:line' (str); {_SEE_SITES}")
+  if isinstance(key, int) and key < 0:
+    raise ValueError(f"overrides key {key} is negative: site indexes count from 0 in "
+                     f"program order; {_SEE_SITES}")
+  if isinstance(key, str) and not re.fullmatch(r".+:\d+", key):
+    hint = (f"; for site #{key} use the int {int(key)}" if key.strip().isdigit() else "")
+    raise ValueError(f"overrides key {key!r} is neither a site index (int) nor a source "
+                     f"location 'file:line' (e.g. 'model.py:41'){hint}; {_SEE_SITES}")
+
+
+def _location_matches(sites, key: str) -> list:
+  return [s for s in sites if _same_location(s.source, key)]
+
+
+def check_overrides(options: Options, sites) -> None:
+  """Raise when an override names no site of this program, or pins a site the pass
+  cannot rewrite (a pinned request is never dropped silently)."""
+  indexes = f"0..{len(sites) - 1}" if sites else "none"
+  for key, pin in (options.overrides or {}).items():
+    if isinstance(key, int):
+      matched = [s for s in sites if s.index == key]
+    else:
+      matched = _location_matches(sites, key)
+    if not matched:
+      what = f"site index {key}" if isinstance(key, int) else f"source location {key!r}"
+      raise ValueError(
+          f"overrides[{key!r}]: {what} matches no matmul of this program (it has "
+          f"{len(sites)} site{'s' if len(sites) != 1 else ''}, indexes {indexes}); "
+          f"{_SEE_SITES}")
+    _check_pinned(f"overrides[{key!r}]", pin, matched)
+  plan = options.plan
+  if plan is not None:
+    for entry in plan.sites:
+      pin = plan.pin_for(entry["index"])
+      _check_pinned(f"plan site #{entry['index']}", pin,
+                    [s for s in sites if s.index == entry["index"]])
+
+
+def _check_pinned(where: str, pin: dict, sites) -> None:
+  asked = {k: v for k, v in pin.items() if k in ("algorithm", "dataflow", "ksplit")
+           and v is not None}
+  if pin.get("rewrite") is True:
+    asked["rewrite"] = True
+  if not asked or pin.get("rewrite") is False:
+    return
+  for site in sites:
+    if not site.rewritten:
+      wanted = ", ".join(f"{k}={v!r}" for k, v in asked.items())
+      raise ValueError(
+          f"{where} pins {wanted} on {site.label}, which cannot be rewritten: "
+          f"{site.reason}. Remove the pin (or pin {{'rewrite': False}}); {_SEE_SITES}")
 
 
 def _same_location(source: str, wanted: str) -> bool:

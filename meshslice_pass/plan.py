@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
@@ -58,14 +59,21 @@ class Plan:
 
   @classmethod
   def from_json(cls, text: str, where: str = "plan") -> "Plan":
+    if not isinstance(text, (str, bytes, bytearray)):
+      raise TypeError(f"Plan.from_json expects the plan's JSON text (str), got "
+                      f"{type(text).__name__}; to read a plan file use Plan.load(path)")
     try:
       data = json.loads(text)
     except json.JSONDecodeError as e:
       raise ValueError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or data.get("version") != VERSION:
       raise ValueError(f"{where}: expected a JSON object with \"version\": {VERSION}")
-    if not isinstance(data.get("mesh_shape"), dict):
-      raise ValueError(f"{where}: field 'mesh_shape' must be an object {{axis: size}}")
+    mesh_shape = data.get("mesh_shape")
+    if not isinstance(mesh_shape, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        for v in mesh_shape.values()):
+      raise ValueError(f"{where}: field 'mesh_shape' must be an object {{axis: size}} with "
+                       f"positive int sizes, got {mesh_shape!r}")
     sites = data.get("sites")
     if not isinstance(sites, list):
       raise ValueError(f"{where}: field 'sites' must be a list")
@@ -79,12 +87,19 @@ class Plan:
           raise ValueError(f"{where}: sites[{k}].{name} must be {kind.__name__}, got "
                            f"{entry[name]!r}")
       for name, kinds in _OPTIONAL.items():
-        if name in entry and not isinstance(entry[name], kinds):
+        if name in entry and (not isinstance(entry[name], kinds) or (
+            isinstance(entry[name], bool) and bool not in kinds)):
           raise ValueError(f"{where}: sites[{k}].{name} has the wrong type: {entry[name]!r}")
+      _check_entry(f"{where}: sites[{k}]", entry)
+    _check_unique(where, sites)
     return cls(mesh_shape=data["mesh_shape"], sites=tuple(sites))
 
   @classmethod
   def load(cls, path: str) -> "Plan":
+    if not isinstance(path, (str, os.PathLike)):
+      raise TypeError(f"Plan.load expects the path of a plan JSON file (str or "
+                      f"os.PathLike), got {type(path).__name__} {path!r}; for JSON text use "
+                      "Plan.from_json(text)")
     try:
       with open(path) as f:
         text = f.read()
@@ -96,13 +111,22 @@ class Plan:
   def edit(self, index: int, **pin) -> "Plan":
     """A copy with site `index` pinned: algorithm=, dataflow=, ksplit=, rewrite=."""
     from .options import _validate_pin
-    _validate_pin(f"Plan.edit(site {index})", pin)
+    where = f"Plan.edit(site {index!r})"
+    for name, value in pin.items():
+      if value is None:
+        raise ValueError(f"{where}: {name}=None cannot be pinned; give a value (ksplit: a "
+                         "positive int, algorithm: a name, dataflow: 'os'/'ls'/'rs', "
+                         "rewrite: True/False), or leave the key out")
+    _validate_pin(where, pin)
     if not any(e["index"] == index for e in self.sites):
-      raise ValueError(f"the plan has no site #{index} (it has {len(self.sites)} sites)")
+      indexes = ", ".join(str(e["index"]) for e in self.sites) or "none"
+      raise ValueError(f"the plan has no site #{index!r} (it has {len(self.sites)} sites: "
+                       f"{indexes})")
     def edited(entry):
       new = dict(entry, **pin, edited=True)
       # asking a collective site for slices means: slice it
-      if pin.get("ksplit", 1) > 1 and "algorithm" not in pin and new["algorithm"] == "collective":
+      if (pin.get("ksplit") or 1) > 1 and "algorithm" not in pin \
+          and new["algorithm"] == "collective":
         new["algorithm"] = "meshslice"
       return new
     sites = tuple(edited(e) if e["index"] == index else e for e in self.sites)
@@ -121,8 +145,16 @@ class Plan:
         return {k: entry[k] for k in ("algorithm", "dataflow", "ksplit") if entry.get(k)}
     return {}
 
-  def check_matches(self, sites) -> None:
-    """Raise if this plan was made for another program."""
+  def check_matches(self, sites, mesh_shape=None) -> None:
+    """Raise if this plan was made for another program or another mesh."""
+    if mesh_shape is not None and dict(self.mesh_shape) != dict(mesh_shape):
+      fmt = lambda m: " x ".join(f"{k}={v}" for k, v in m.items()) or "none"
+      raise ValueError(f"plan was made for mesh {fmt(self.mesh_shape)}, this program runs on "
+                       f"mesh {fmt(mesh_shape)}: a plan only applies to the mesh shape it was "
+                       "made for; re-plan with meshslice.explain(...).plan on this mesh")
+    _check_unique("plan", self.sites)
+    for k, entry in enumerate(self.sites):
+      _check_entry(f"plan sites[{k}]", entry)
     here = {s.index: s for s in sites}
     for entry in self.sites:
       site = here.get(entry["index"])
@@ -131,3 +163,36 @@ class Plan:
         raise ValueError(f"plan does not match this program: site #{entry['index']} was a "
                          f"matmul at {entry['source']!r}, this program has {found} there; "
                          "re-plan with meshslice.explain(...).plan")
+
+
+_DATAFLOWS = ("os", "ls", "rs", "1d-gather", "1d-scatter")
+
+
+def _check_entry(where: str, entry: dict) -> None:
+  """The values of one plan entry: what the pass could apply."""
+  from meshslice.rewrites import ALGORITHMS
+  ksplit = entry.get("ksplit")
+  if ksplit is not None and (isinstance(ksplit, bool) or not isinstance(ksplit, int)
+                             or ksplit < 1):
+    raise ValueError(f"{where}.ksplit must be a positive int (1 = no slicing) or null, "
+                     f"got {ksplit!r}")
+  algorithm = entry.get("algorithm")
+  if algorithm is not None and algorithm not in ALGORITHMS:
+    raise ValueError(f"{where}.algorithm must be one of {', '.join(map(repr, ALGORITHMS))} "
+                     f"or null, got {algorithm!r}")
+  dataflow = entry.get("dataflow")
+  if dataflow is not None and dataflow not in _DATAFLOWS:
+    raise ValueError(f"{where}.dataflow must be one of {', '.join(map(repr, _DATAFLOWS))} "
+                     f"or null, got {dataflow!r}")
+  if entry.get("index", 0) < 0:
+    raise ValueError(f"{where}.index must be >= 0, got {entry['index']!r}")
+
+
+def _check_unique(where: str, sites) -> None:
+  seen = set()
+  for entry in sites:
+    index = entry.get("index")
+    if index in seen:
+      raise ValueError(f"{where}: site index {index} appears more than once; each site "
+                       "must have one entry (re-plan with meshslice.explain(...).plan)")
+    seen.add(index)

@@ -1,19 +1,21 @@
 """`meshslice.transform`: trace once per input signature, analyse, plan, re-emit, jit."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import analysis as A
 from . import planning
 from . import specs as S
-from ._jax_internals import jit_info, jit_params
+from ._jax_internals import jit_info, jit_params, known_value, trace_state_clean
 from .emit import Emitter
-from .options import Options
+from .options import Options, check_overrides
 from .report import Report
 
 
@@ -21,8 +23,10 @@ from .report import Report
 class _Entry:
   """Everything built for one input signature."""
   jitted: Callable          # jax.jit over the flat dynamic args
+  in_tree: Any              # tree of (dynamic args, dynamic kwargs)
   out_tree: Any
   report: Report
+  abstract: bool = False    # planned on an AbstractMesh: nothing to run
 
 
 def _is_jitted(fn) -> bool:
@@ -44,6 +48,7 @@ class Transformed:
     self._static_argnames = tuple(info.static_argnames) if info else ()
     self._options = options
     self._cache = {}
+    self._warned = False
     functools.update_wrapper(self, fn, updated=())
 
   # -- input signature handling
@@ -59,25 +64,33 @@ class Transformed:
   def _entry(self, args, kwargs):
     static, dynamic = self._split(args, kwargs)
     leaves, tree = jax.tree.flatten(dynamic)
-    key = (_hashable(static), tree, tuple(_signature(x) for x in leaves))
+    # the mesh context changes the trace (explicit-mode types, the jit's ctx_mesh)
+    key = (_hashable(static), tree, tuple(_signature(x) for x in leaves),
+           jax.sharding.get_abstract_mesh())
     entry = self._cache.get(key)
     if entry is None:
-      entry = self._build(args, kwargs, leaves)
+      entry = self._build(args, kwargs, leaves, tree)
       self._cache[key] = entry
+    if entry.report.notes and not trace_state_clean() and not self._warned:
+      self._warned = True
+      warnings.warn(f"meshslice.transform({_name(self._fn)}): " + " ".join(entry.report.notes),
+                    stacklevel=3)
     return entry, leaves
 
-  def _build(self, args, kwargs, leaves):
+  def _build(self, args, kwargs, leaves, in_tree):
     traced = self._jitted.trace(*args, **kwargs)
     params = jit_params(traced)
     closed = traced.jaxpr
-    mesh = _find_mesh(params, leaves, closed)
+    leaf_shardings = [_leaf_sharding(x) for x in leaves]
+    mesh = _find_mesh(params, leaf_shardings, closed)
     axis_sizes = dict(mesh.shape) if mesh is not None else {}
     in_specs = []
-    for leaf, sharding, aval in zip(leaves, params["in_shardings"], closed.in_avals):
+    for sharding, leaf_sharding, aval in zip(params["in_shardings"], leaf_shardings,
+                                             closed.in_avals):
       ndim = len(getattr(aval, "shape", ()))
       spec = S.from_sharding(sharding, ndim, axis_sizes)
       if spec is None:
-        spec = S.from_sharding(getattr(leaf, "sharding", None), ndim, axis_sizes)
+        spec = S.from_sharding(leaf_sharding, ndim, axis_sizes)
       in_specs.append(spec)
     out_specs = [S.from_sharding(sh, len(getattr(aval, "shape", ())), axis_sizes)
                  for sh, aval in zip(params["out_shardings"], closed.out_avals)]
@@ -85,10 +98,16 @@ class Transformed:
     sites = planning.plan_program(
         closed, analysis, planning.Context(axis_sizes=axis_sizes, options=self._options))
     if self._options.plan is not None:
-      self._options.plan.check_matches(sites)
+      self._options.plan.check_matches(sites, axis_sizes)
+    check_overrides(self._options, sites)
     report = Report(sites=sites, mesh_shape=axis_sizes,
                     profile=getattr(self._options.profile, "name", ""),
-                    hardware=self._options.profile)
+                    hardware=self._options.profile, notes=_blind_spots(sites, leaves))
+    if isinstance(mesh, AbstractMesh) and not any(isinstance(x, jax.core.Tracer)
+                                                  for x in leaves):
+      # planned for a mesh that has no devices here (e.g. a 16x16 cluster from a laptop)
+      return _Entry(jitted=None, in_tree=in_tree, out_tree=traced.out_tree, report=report,
+                    abstract=True)
     emitter = Emitter(sites, mesh)
 
     def emitted(*flat):
@@ -101,22 +120,66 @@ class Transformed:
     ctx_mesh = params.get("ctx_mesh")
     if ctx_mesh is not None and getattr(ctx_mesh, "axis_names", ()):
       jitted = _with_mesh(jitted, ctx_mesh)
-    return _Entry(jitted=jitted, out_tree=traced.out_tree, report=report)
+    return _Entry(jitted=jitted, in_tree=in_tree, out_tree=traced.out_tree, report=report)
 
   # -- public surface
   def __call__(self, *args, **kwargs):
     entry, leaves = self._entry(args, kwargs)
+    _require_devices(entry, "call")
     return jax.tree.unflatten(entry.out_tree, entry.jitted(*leaves))
 
   def lower(self, *args, **kwargs):
-    """Lower like `jax.jit(f).lower`: `.as_text()`, `.compile()`, ..."""
+    """Lower like `jax.jit(f).lower`: `.as_text()`, `.cost_analysis()`, `.compile()`; the
+    compiled object is called with the same (pytree) arguments as `f`, static ones
+    dropped, and returns `f`'s output pytree."""
     entry, leaves = self._entry(args, kwargs)
-    return entry.jitted.lower(*leaves)
+    _require_devices(entry, "lower")
+    return Lowered(entry.jitted.lower(*leaves), entry.in_tree, entry.out_tree)
 
   def explain(self, *args, **kwargs) -> Report:
     """The report for this input signature (abstract inputs are fine)."""
     entry, _ = self._entry(args, kwargs)
     return entry.report
+
+
+class _Wrapped:
+  """Forwards everything except what the subclass defines to the JAX object."""
+
+  def __init__(self, inner, in_tree, out_tree):
+    self._inner, self._in_tree, self._out_tree = inner, in_tree, out_tree
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+  @property
+  def in_tree(self):
+    return self._in_tree
+
+  @property
+  def out_tree(self):
+    return self._out_tree
+
+
+class Lowered(_Wrapped):
+  """`Transformed.lower(...)`: a `jax.stages.Lowered` of the rewritten program whose
+  `.compile()` takes and returns the original function's pytrees."""
+
+  def compile(self, *args, **kwargs) -> "Compiled":
+    return Compiled(self._inner.compile(*args, **kwargs), self._in_tree, self._out_tree)
+
+
+class Compiled(_Wrapped):
+  """A compiled rewritten program, called like `jax.jit(f).lower(...).compile()`: with
+  `f`'s dynamic arguments (static ones dropped), returning `f`'s output pytree."""
+
+  def __call__(self, *args, **kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    if tree != self._in_tree:
+      raise TypeError(
+          "the compiled meshslice program was called with arguments of another structure "
+          f"than it was lowered for: got {tree}, expected {self._in_tree}. Pass the same "
+          "pytrees as to .lower(...), without the static arguments")
+    return jax.tree.unflatten(self._out_tree, self._inner(*leaves))
 
 
 class _with_mesh:
@@ -127,7 +190,15 @@ class _with_mesh:
     self._jitted, self._mesh = jitted, mesh
 
   def _ctx(self):
-    return jax.set_mesh(self._mesh)
+    mesh = self._mesh
+    if isinstance(mesh, Mesh) and trace_state_clean():
+      return jax.set_mesh(mesh)
+    # Under an outer trace (jit, grad, vmap, make_jaxpr, eval_shape) `jax.set_mesh` is not
+    # allowed; the abstract mesh is what tracing needs, and it is often already current.
+    abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
+    if jax.sharding.get_abstract_mesh() == abstract:
+      return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(abstract)
 
   def __call__(self, *a):
     with self._ctx():
@@ -164,26 +235,68 @@ def _hashable(value):
     return repr(value)
 
 
-def _find_mesh(params, leaves, closed):
-  """The device mesh the program is sharded over (concrete where one is known)."""
+def _leaf_sharding(x):
+  """The sharding an input leaf is known to have: a committed array's (also behind the
+  tracers of an outer jax.grad/jvp), a ShapeDtypeStruct's; None when unknown."""
+  if isinstance(x, jax.core.Tracer):
+    x = known_value(x)
+  if isinstance(x, jax.core.Tracer):
+    return None
+  return getattr(x, "sharding", None)
+
+
+def _find_mesh(params, leaf_shardings, closed):
+  """The mesh the program is sharded over: a concrete one where one is known, else an
+  AbstractMesh (planning only, or tracing inside an outer transformation)."""
   candidates = list(params["in_shardings"]) + list(params["out_shardings"])
-  candidates += [getattr(x, "sharding", None) for x in leaves]
-  for s in candidates:
-    if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh) and s.mesh.axis_names:
-      return s.mesh
-  for eqn in _all_eqns(closed.jaxpr):
-    sh = eqn.params.get("sharding")
-    if isinstance(sh, NamedSharding) and isinstance(sh.mesh, Mesh):
-      return sh.mesh
+  candidates += list(leaf_shardings)
+  candidates += [eqn.params.get("sharding") for eqn in _all_eqns(closed.jaxpr)]
+  named = [s.mesh for s in candidates if isinstance(s, NamedSharding) and s.mesh.axis_names]
+  for mesh in named:
+    if isinstance(mesh, Mesh):
+      return mesh
   ctx = params.get("ctx_mesh")
+  if isinstance(ctx, Mesh) and ctx.axis_names:
+    return ctx
+  if named:
+    return named[0]
   if ctx is not None and getattr(ctx, "axis_names", ()):
     return ctx
-  for aval in closed.in_avals:
+  context = jax.sharding.get_abstract_mesh()
+  if context.axis_names:
+    return context
+  for aval in list(closed.in_avals) + list(closed.out_avals):
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    if mesh is not None and mesh.axis_names and any(
-        t == AxisType.Explicit for t in mesh.axis_types):
+    if mesh is not None and mesh.axis_names:
       return mesh
   return None
+
+
+def _blind_spots(sites, leaves) -> tuple:
+  """Header notes when matmuls could not be analysed because the layouts are hidden from
+  this trace (the pass called inside an outer jit/grad/vmap with Auto-mode inputs)."""
+  blind = [s for s in sites if not s.rewritten and s.reason.startswith(
+      ("operand sharding unknown", "no multi-device mesh"))]
+  if not blind or not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return ()
+  return (f"{len(blind)} of {len(sites)} matmuls left alone: traced inside an outer JAX "
+          "transformation (jit, grad, vmap, ...) whose input shardings are not visible "
+          "here, so the operand layouts are unknown. Apply meshslice.transform to the "
+          "outermost jitted step (with in_shardings), use Explicit mesh axes, or add "
+          "jax.lax.with_sharding_constraint on the inputs.",)
+
+
+def _require_devices(entry, what):
+  if entry.abstract:
+    raise ValueError(
+        f"cannot {what} a program planned on an AbstractMesh "
+        f"({' x '.join(f'{k}={v}' for k, v in entry.report.mesh_shape.items())}): running "
+        "or lowering needs a concrete jax.sharding.Mesh of devices. Use meshslice.explain "
+        "(the report and .plan) on abstract inputs, and transform with a concrete mesh")
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _all_eqns(jaxpr):
