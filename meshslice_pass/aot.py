@@ -1,0 +1,460 @@
+"""Compile for TPU pods ahead of time, on any machine, and read what the compiler made.
+
+libtpu (`pip install -e '.[tpu]'`, i.e. `jax[tpu]` at the installed jax version) compiles
+for a named TPU topology without a TPU: the devices of the topology are compile-only.
+This module builds meshes on such topologies, compiles plain and meshslice-transformed
+programs for them, and reads the compiled (scheduled) HLO with
+`meshslice.costmodel.tpu_schedule` (compute cycles, collectives, relayout copies,
+simulated step time), next to the compiler's peak memory.
+
+    from meshslice import aot
+    mesh = aot.make_mesh("v4:8x8x4", (32, 8))           # 256 TPU v4 chips, axes ("x", "y")
+    result = aot.analyze(aot.compile(step, *aot.abstract_args(args)), profile="tpu-v4")
+    result.summary.compute_cycles, result.simulation.step_s, result.peak_bytes
+
+Topology names are `<generation>:<chips along each torus dim>`:
+
+    v4   3D torus, e.g. v4:2x2x1 (4 chips), v4:4x4x4 (64), v4:8x8x4 (256), v4:16x8x8 (1024)
+    v5p  3D torus, e.g. v5p:2x2x2, v5p:8x8x16
+    v5e  2D torus, up to v5e:16x16 (256 chips)
+    v6e  2D torus, up to v6e:16x16 (256 chips)
+
+(`topology_name(generation, chips)` picks the usual slice shape for a chip count.) v4 and
+v5p compile for "megacore" chips: one device per chip, both TensorCores driven together.
+
+Process-wide libtpu settings, applied before libtpu loads (the first topology):
+
+    TPU_SKIP_MDS_QUERY=1          do not ask a metadata server for the host's TPU
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1  do not take /tmp/libtpu_lockfile, so several processes
+                                  can compile at once (nothing here touches a real TPU)
+    LIBTPU_INIT_ARGS              compiler flags (`set_flags`), read once per process
+
+libtpu prints warnings about TPU hostnames and accelerator type: harmless here. Flags
+cannot change after libtpu has loaded; compile variants that need different flags (e.g.
+windowed einsum on and off) in separate processes (see bench/tpu_aot.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import sys
+import time
+
+# libtpu's recommended flags for overlapping collectives with compute (DESIGN.md 6b,
+# docs/tpu.md): async collective fusion, including all-gathers, over several steps.
+ASYNC_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true",
+               "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+               "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+               "--xla_tpu_overlap_compute_collective_tc=true",
+               "--xla_enable_async_all_gather=true")
+# XLA's windowed einsum (collective matmul) off: the "dense" program.
+DENSE_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
+               "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+FLAG_PRESETS = {"default": (), "async": ASYNC_FLAGS, "dense": DENSE_FLAGS}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Generation:
+  """A TPU generation as libtpu names it, and the project's profile for it."""
+
+  name: str
+  profile: str
+  torus_dims: int           # 3: v4 / v5p, 2: v5e / v6e
+  chip_config: str          # chip_config_name for get_topology_desc
+  max_chips: int            # largest single slice
+  device_kind: str
+
+
+GENERATIONS = {
+    "v4": Generation(name="v4", profile="tpu-v4", torus_dims=3, chip_config="megacore",
+                     max_chips=4096, device_kind="TPU v4"),
+    "v5p": Generation(name="v5p", profile="tpu-v5p", torus_dims=3, chip_config="megacore",
+                      max_chips=8960, device_kind="TPU v5"),
+    "v5e": Generation(name="v5e", profile="tpu-v5e", torus_dims=2, chip_config="default",
+                      max_chips=256, device_kind="TPU v5 lite"),
+    "v6e": Generation(name="v6e", profile="tpu-v6e", torus_dims=2, chip_config="default",
+                      max_chips=256, device_kind="TPU v6 lite"),
+}
+
+_FLAGS_AT_LOAD: list = []      # LIBTPU_INIT_ARGS when this process loaded libtpu
+
+
+def have_libtpu() -> bool:
+  """Whether libtpu (the `tpu` extra) is installed."""
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def parse_topology(name: str) -> tuple[Generation, tuple[int, ...]]:
+  """("v4:8x8x4") -> (GENERATIONS["v4"], (8, 8, 4)), or a ValueError saying what is
+  expected.
+
+  Example:
+    >>> g, dims = parse_topology("v4:8x8x4")
+    >>> g.profile, dims, math.prod(dims)
+    ('tpu-v4', (8, 8, 4), 256)
+  """
+  match = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)*)", str(name).strip().lower())
+  if not match:
+    raise ValueError(f"topology {name!r}: expected '<generation>:<dims>' such as "
+                     f"'v4:2x2x2', 'v5e:4x4' (generations: {', '.join(GENERATIONS)})")
+  gen_name, dims = match.group(1), tuple(int(d) for d in match.group(2).split("x"))
+  if gen_name not in GENERATIONS:
+    raise ValueError(f"topology {name!r}: unknown TPU generation {gen_name!r}; known: "
+                     f"{', '.join(GENERATIONS)}")
+  gen = GENERATIONS[gen_name]
+  if len(dims) != gen.torus_dims or min(dims) < 1:
+    example = "x".join(["2"] * gen.torus_dims)
+    raise ValueError(f"topology {name!r}: {gen_name} is a {gen.torus_dims}D torus, so give "
+                     f"{gen.torus_dims} positive chip counts, e.g. '{gen_name}:{example}'")
+  if math.prod(dims) > gen.max_chips:
+    raise ValueError(f"topology {name!r}: {math.prod(dims)} chips exceeds the largest "
+                     f"{gen_name} slice ({gen.max_chips} chips)")
+  if dims[0] % 2 or dims[1] % 2:
+    raise ValueError(f"topology {name!r}: the first two dims must be even (hosts hold "
+                     f"2x2 chips), e.g. '{gen_name}:" + "x".join(
+                         ["2", "2"] + ["1"] * (gen.torus_dims - 2)) + "'")
+  return gen, dims
+
+
+def topology_name(generation: str, chips: int) -> str:
+  """The usual slice shape of `chips` chips: 3D tori as near-cubes (v4:4x4x4 for 64,
+  v4:8x8x4 for 256, v4:16x8x8 for 1024), 2D tori as near-squares (v6e:16x16 for 256).
+
+  Example:
+    >>> topology_name("v4", 64), topology_name("v4", 256), topology_name("v6e", 64)
+    ('v4:4x4x4', 'v4:8x8x4', 'v6e:8x8')
+  """
+  if generation not in GENERATIONS:
+    raise ValueError(f"generation must be one of {tuple(GENERATIONS)}, got {generation!r}")
+  gen = GENERATIONS[generation]
+  if not isinstance(chips, int) or chips < 4 or chips & (chips - 1):
+    raise ValueError(f"chips must be a power of two >= 4, got {chips!r}")
+  if chips > gen.max_chips:
+    raise ValueError(f"{generation}: {chips} chips exceeds the largest slice "
+                     f"({gen.max_chips} chips)")
+  dims = [2, 2] + [1] * (gen.torus_dims - 2)
+  order = [2, 0, 1] if gen.torus_dims == 3 else [0, 1]     # z to 2 first, then x, y, z, ...
+  i = 0
+  while math.prod(dims) < chips:
+    dims[order[i % len(order)]] *= 2
+    i += 1
+  return f"{generation}:" + "x".join(str(d) for d in dims)
+
+
+def set_flags(*flags: str) -> None:
+  """Set LIBTPU_INIT_ARGS for this process (before libtpu loads: the first `topology`).
+
+  Raises:
+    RuntimeError: libtpu already loaded with other flags (they are read once per
+      process; use a subprocess per flag set).
+  """
+  wanted = " ".join(flags)
+  if _FLAGS_AT_LOAD and _FLAGS_AT_LOAD[0] != wanted:
+    raise RuntimeError(f"libtpu already loaded in this process with LIBTPU_INIT_ARGS="
+                       f"{_FLAGS_AT_LOAD[0]!r}; flags are read once per process, so "
+                       f"compile with {wanted!r} in a new process")
+  os.environ["LIBTPU_INIT_ARGS"] = wanted
+
+
+def _prepare_env() -> None:
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def topology(name: str, *, num_slices: int = 1):
+  """The compile-only devices of a named TPU topology (a jax TopologyDescription).
+
+  Example:
+    >>> len(topology("v4:2x2x2").devices)                    # doctest: +SKIP
+    8
+  """
+  gen, dims = parse_topology(name)
+  if not have_libtpu():
+    raise RuntimeError("compiling for TPU needs libtpu: pip install -e '.[tpu]' "
+                       "(jax[tpu] at the installed jax version)")
+  _prepare_env()
+  if not _FLAGS_AT_LOAD:
+    _FLAGS_AT_LOAD.append(os.environ.get("LIBTPU_INIT_ARGS", ""))
+  from jax.experimental import topologies
+  bounds = (2, 2, 1) if math.prod(dims) >= 4 else (1, 1, 1)
+  spelled = f"{gen.name}:" + "x".join(str(d) for d in dims)
+  return topologies.get_topology_desc(platform="tpu", topology_name=spelled,
+                                      chip_config_name=gen.chip_config,
+                                      chips_per_host_bounds=bounds, num_slices=num_slices)
+
+
+def make_mesh(topo, shape, axis_names=("x", "y")):
+  """A jax.sharding.Mesh of `shape` over a topology (a name or a `topology(...)`), in the
+  device order `mesh_utils.create_device_mesh` gives (each mesh axis along physical torus
+  axes where the shape allows, else splitting them).
+
+  Raises:
+    ValueError: the shape's size is not the topology's chip count, or names mismatch.
+
+  Example:
+    >>> mesh = make_mesh("v4:8x8x4", (32, 8))                # doctest: +SKIP
+    >>> dict(mesh.shape)                                      # doctest: +SKIP
+    {'x': 32, 'y': 8}
+  """
+  import jax
+  import numpy as np
+  from jax.experimental import mesh_utils
+  name = topo if isinstance(topo, str) else None
+  if name is not None:
+    topo = topology(name)
+  shape = tuple(int(v) for v in shape)
+  devices = list(topo.devices)
+  where = f"topology {name!r}" if name else "the topology"
+  if len(axis_names) != len(shape):
+    raise ValueError(f"mesh shape {shape} has {len(shape)} axes but axis_names "
+                     f"{tuple(axis_names)} has {len(axis_names)}")
+  if math.prod(shape) != len(devices) or min(shape) < 1:
+    raise ValueError(f"mesh shape {'x'.join(map(str, shape))} has {math.prod(shape)} "
+                     f"devices but {where} has {len(devices)}; pick a shape whose product "
+                     f"is {len(devices)}")
+  try:
+    grid = mesh_utils.create_device_mesh(shape, devices)
+  except (ValueError, AssertionError, NotImplementedError):
+    try:
+      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, AssertionError, NotImplementedError):
+      grid = np.array(devices).reshape(shape)
+  return jax.sharding.Mesh(grid, tuple(axis_names))
+
+
+def abstract_args(tree, shardings=None):
+  """ShapeDtypeStructs (with shardings) of a tree of arrays / ShapeDtypeStructs, for
+  `jit(...).lower` on compile-only devices. `shardings`: a matching tree (default: each
+  leaf's own `.sharding`)."""
+  import jax
+  if shardings is None:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                       sharding=getattr(a, "sharding", None)),
+                        tree)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      tree, shardings)
+
+
+def compile(fn, *args, mesh=None):
+  """`fn.lower(*args).compile()` (inside `jax.set_mesh(mesh)` when given), timed.
+
+  Returns (compiled, seconds)."""
+  import contextlib
+  import jax
+  ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  start = time.perf_counter()
+  with ctx:
+    compiled = fn.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AotResult:
+  """What one compiled program costs, read off the compiler's output.
+
+  Attributes:
+    summary: tpu_schedule.Summary (cycles, collectives, copies, loops).
+    simulation: tpu_schedule.Simulation (predicted step time) under `profile`.
+    peak_bytes: argument + output + temp - aliased bytes per device
+      (compiled.memory_analysis()).
+    temp_bytes: the temp part of it.
+    compile_s: compile seconds on this machine.
+    flags: LIBTPU_INIT_ARGS in effect.
+  """
+
+  summary: object
+  simulation: object
+  peak_bytes: int
+  temp_bytes: int
+  compile_s: float = 0.0
+  flags: str = ""
+
+  def row(self) -> dict:
+    """Plain figures, for JSON and tables."""
+    s, sim = self.summary, self.simulation
+    return {"compute_cycles": s.compute_cycles, "dot_cycles": s.dot_cycles,
+            "copy_cycles": s.copy_cycles, "relayout_copies": s.relayout_copies,
+            "collectives": sum(s.collective_count.values()),
+            "collective_bytes": s.total_collective_bytes,
+            "sync_collectives": s.sync_collectives, "async_collectives": s.async_collectives,
+            "windowed_einsum_loops": s.windowed_einsum_loops,
+            "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
+            "peak_bytes": self.peak_bytes, "temp_bytes": self.temp_bytes,
+            "compile_s": self.compile_s, "flags": self.flags}
+
+
+def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0) -> AotResult:
+  """Read a compiled TPU program: schedule summary, simulated step, peak memory."""
+  from .costmodel import tpu_schedule
+  from .costmodel.profiles import load_profile
+  prof = load_profile(profile)
+  schedule = tpu_schedule.read_schedule(compiled.as_text(), chip=prof.name)
+  mem = compiled.memory_analysis()
+  peak = temp = 0
+  if mem is not None:
+    temp = int(mem.temp_size_in_bytes)
+    peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+               - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  return AotResult(summary=tpu_schedule.summarize(schedule),
+                   simulation=tpu_schedule.simulate(schedule, prof), peak_bytes=peak,
+                   temp_bytes=temp, compile_s=compile_s,
+                   flags=os.environ.get("LIBTPU_INIT_ARGS", ""))
+
+
+# ----------------------------------------------------------------------------- models
+
+def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
+               seq: int | None = None, dtype: str = "bfloat16"):
+  """The demo training step (meshslice.demo: attention + MLP layers, scan over
+  checkpointed blocks, fwd + bwd + SGD) at the size of `model` ("gpt3", "megatron": see
+  meshslice.costmodel.model_spec), on `mesh` (axes "x", "y"), with abstract inputs.
+
+  batch: sequences per step (default: one per device). Returns (step, params, batch).
+  """
+  import jax
+  from jax.sharding import NamedSharding
+  from . import demo
+  from .costmodel import model_spec
+  spec = model_spec(model, seq=seq)
+  n = mesh.devices.size
+  cfg = demo.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
+                         heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
+  row, col = mesh.axis_names[-2:]
+  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.param_specs(row, col))
+  bs = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.batch_specs(row, col))
+  params = jax.eval_shape(lambda: demo.init_params(cfg, jax.random.key(0)))
+  data = jax.eval_shape(lambda: demo.init_batch(cfg, jax.random.key(0)))
+  return demo.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
+
+
+def compare(model: str, topology_name_: str, mesh_shape, *, layers: int = 1,
+            batch: int | None = None, variants=("plain", "meshslice"), echo=None,
+            **options) -> dict:
+  """Compile the model's step plain and meshslice-transformed (`options` go to
+  meshslice.transform; profile defaults to the topology's) and analyze both.
+
+  Returns {variant: AotResult}; the "meshslice" entry's report is in
+  compare.last_report (for printing).
+  """
+  from .transform import transform
+  gen, _ = parse_topology(topology_name_)
+  options.setdefault("profile", gen.profile)
+  mesh = make_mesh(topology_name_, mesh_shape)
+  step, params, data = model_step(model, mesh, layers=layers, batch=batch)
+  out = {}
+  for variant in variants:
+    if variant == "plain":
+      fn = step
+    elif variant == "meshslice":
+      fn = transform(step, **options)
+      if echo is not None:
+        import jax
+        with jax.set_mesh(mesh):
+          echo(str(fn.explain(params, data)))
+    else:
+      raise ValueError(f"variant must be 'plain' or 'meshslice', got {variant!r}")
+    compiled, seconds = compile(fn, params, data, mesh=mesh)
+    out[variant] = analyze(compiled, options["profile"], compile_s=seconds)
+    del compiled
+  return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+_ROWS = (("compute cycles (M)", lambda r: r["compute_cycles"] / 1e6, "{:.1f}"),
+         ("  dot cycles (M)", lambda r: r["dot_cycles"] / 1e6, "{:.1f}"),
+         ("  relayout copy cycles (M)", lambda r: r["copy_cycles"] / 1e6, "{:.2f}"),
+         ("relayout copies", lambda r: r["relayout_copies"], "{:d}"),
+         ("collectives (sync / async)",
+          lambda r: f"{r['collectives']} ({r['sync_collectives']} / {r['async_collectives']})",
+          "{}"),
+         ("collective bytes / device (MB)", lambda r: r["collective_bytes"] / 1e6, "{:.1f}"),
+         ("windowed-einsum loops", lambda r: r["windowed_einsum_loops"], "{:d}"),
+         ("simulated step (ms)", lambda r: r["step_s"] * 1e3, "{:.3f}"),
+         ("  compute (ms)", lambda r: r["compute_s"] * 1e3, "{:.3f}"),
+         ("  exposed communication (ms)", lambda r: r["exposed_s"] * 1e3, "{:.3f}"),
+         ("peak memory / device (GiB)", lambda r: r["peak_bytes"] / 2**30, "{:.2f}"),
+         ("compile time (s)", lambda r: r["compile_s"], "{:.0f}"))
+
+
+def format_table(results: dict) -> str:
+  """Side-by-side table of {variant: AotResult} (ratio column for two variants)."""
+  names = list(results)
+  rows = {n: results[n].row() for n in names}
+  lines = [["", *names] + (["ratio"] if len(names) == 2 else [])]
+  for label, get, fmt in _ROWS:
+    values = [get(rows[n]) for n in names]
+    line = [label] + [fmt.format(v) for v in values]
+    if len(names) == 2:
+      a, b = values
+      line.append(f"{b / a:.2f}x" if isinstance(a, (int, float)) and a else "")
+    lines.append(line)
+  widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
+  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(l, widths))) for l in lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m meshslice aot",
+      description="Compile a transformer training step for a TPU topology ahead of time "
+                  "(libtpu, no TPU needed) plain and meshslice-transformed, and print what "
+                  "the compiler made of each side by side.")
+  parser.add_argument("--model", default="gpt3", choices=["gpt3", "megatron"])
+  parser.add_argument("--topology", required=True,
+                      help="TPU topology, e.g. v4:2x2x2, v4:8x8x4 (256 chips), v5e:16x16")
+  parser.add_argument("--mesh", required=True, help="mesh shape RxC (axes x, y), e.g. 32x8")
+  parser.add_argument("--layers", type=int, default=1, help="layers in the step")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="sequences per step (default: one per chip)")
+  parser.add_argument("--flags", default="async",
+                      help="libtpu flag presets, comma-separated: default (none), async "
+                           "(overlap collectives; recommended for meshslice), dense "
+                           "(windowed einsum off); default: async")
+  parser.add_argument("--profile", default=None,
+                      help="hardware profile for planning and the simulator (default: the "
+                           "topology's generation)")
+  parser.add_argument("--ksplit", default="auto", help="slices per site, or auto")
+  parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+  args = parser.parse_args(argv)
+  try:
+    gen, _ = parse_topology(args.topology)
+    shape = tuple(int(v) for v in args.mesh.lower().split("x"))
+    if len(shape) != 2:
+      raise ValueError
+  except ValueError as e:
+    parser.error(str(e) if str(e) else f"--mesh must be RxC, got {args.mesh!r}")
+  presets = [p.strip() for p in args.flags.split(",") if p.strip()]
+  unknown = [p for p in presets if p not in FLAG_PRESETS]
+  if unknown:
+    parser.error(f"--flags: unknown preset(s) {unknown}; known: {', '.join(FLAG_PRESETS)}")
+  if not have_libtpu():
+    print("python -m meshslice aot needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
+    return 2
+  set_flags(*[f for p in presets for f in FLAG_PRESETS[p]])
+  options = {"profile": args.profile or gen.profile}
+  if args.ksplit != "auto":
+    options.update(ksplit=int(args.ksplit), algorithm="meshslice")
+  import jax
+  jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
+  print(f"{args.model} step ({args.layers} layer(s), fwd+bwd) on {args.topology} as a "
+        f"{args.mesh} mesh, libtpu flags: {','.join(presets) or 'none'}", flush=True)
+  try:
+    results = compare(args.model, args.topology, shape, layers=args.layers,
+                      batch=args.batch, echo=print, **options)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(format_table(results))
+  if args.json:
+    import json
+    with open(args.json, "w") as f:
+      json.dump({k: v.row() for k, v in results.items()}, f, indent=1)
+  return 0
