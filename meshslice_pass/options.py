@@ -183,11 +183,13 @@ def check_overrides(options: Options, sites) -> None:
 
 
 def _check_pinned(where: str, pin: dict, sites) -> None:
+  """A pin on one site (an index) must be honoured; a pin on a source line holding several
+  matmuls must be honoured by at least one of them (the others keep their reasons)."""
   asked = {k: v for k, v in pin.items() if k in ("algorithm", "dataflow", "ksplit")
            and v is not None}
   if pin.get("rewrite") is True:
     asked["rewrite"] = True
-  if not asked or pin.get("rewrite") is False:
+  if not asked or pin.get("rewrite") is False or any(s.rewritten for s in sites):
     return
   for site in sites:
     if not site.rewritten:

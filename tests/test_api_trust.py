@@ -141,20 +141,21 @@ def test_committed_arrays_behind_grad_and_jit_without_in_shardings():
   # a step jitted without in_shardings: the layouts come from the committed arrays
   report = meshslice.explain(jax.jit(f))(x, w)
   assert [site.dataflow for site in report.rewritten] == ["os"]
-  # transform(plain f) inside jax.grad sees the arrays behind the grad tracers
-  fast = meshslice.transform(f, ksplit=2)
-  reports = []
+  # transform(f) inside jax.grad sees the committed arrays behind the grad tracers
+  for fn in (f, jax.jit(f)):
+    fast = meshslice.transform(fn, ksplit=2)
+    reports = []
 
-  def loss(w):
-    reports.append(fast.explain(x, w))
-    return fast(x, w)
+    def loss(w):
+      reports.append(fast.explain(x, w))
+      return fast(x, w)
 
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    grad = jax.grad(loss)(w)
-  assert [site.dataflow for site in reports[0].rewritten] == ["os"]
-  assert not reports[0].notes
-  assert_trees_close(grad, jax.grad(f, argnums=1)(x, w))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      grad = jax.grad(loss)(w)
+    assert [site.dataflow for site in reports[0].rewritten] == ["os"]
+    assert not reports[0].notes
+    assert_trees_close(grad, jax.grad(f, argnums=1)(x, w))
 
 
 # -- 5: abstract meshes plan exactly like concrete ones -------------------------------------
@@ -206,7 +207,8 @@ def _program(shape=(2, 4)):
   s, x, w = _arrays(msh, n=64)
 
   def f(x, w, v):
-    return jnp.sum(jnp.tanh(x @ w) @ v)   # site 0: 2D (os); site 1: local, left alone
+    h = jnp.tanh(x @ w)         # site 0: 2D (os)
+    return jnp.sum(h @ v)       # site 1: runs locally, left alone
 
   v = jax.device_put(jnp.ones((64, 8)), NamedSharding(msh, P()))
   return jax.jit(f, in_shardings=(s, s, NamedSharding(msh, P())),
@@ -250,8 +252,16 @@ def test_pins_on_sites_that_cannot_be_rewritten_are_errors(strict):
       + re.escape(report.sites[1].reason + ". Remove the pin (or pin {'rewrite': False}); ")
       + SEE):
     meshslice.explain(f, overrides={1: {"ksplit": 2}}, strict=strict)(*args)
-  # asking to leave it alone is fine
+  line = f"test_api_trust.py:{int(report.sites[1].source.rsplit(':', 1)[1])}"
+  with pytest.raises(ValueError, match=re.escape(
+      f"overrides[{line!r}] pins algorithm='collective' on site #1 (")):
+    meshslice.explain(f, overrides={line: {"algorithm": "collective"}}, strict=strict)(*args)
+  # asking to leave it alone is fine; so is a line pin that one matmul on the line honours
   meshslice.explain(f, overrides={1: {"rewrite": False}}, strict=strict)(*args)
+  one_line = jax.jit(lambda x, w, v: jnp.sum(jnp.tanh(x @ w) @ v))
+  line = meshslice.explain(one_line)(*args).sites[1].source.rsplit("/", 1)[1]
+  pinned = meshslice.explain(one_line, overrides={line: {"ksplit": 2}}, strict=strict)(*args)
+  assert [(s.rewritten, s.ksplit) for s in pinned.sites] == [(True, 2), (False, None)]
   with pytest.raises(ValueError, match=re.escape("plan site #1 pins algorithm='collective' on "
                                                  "site #1 (")):
     meshslice.explain(f, plan=report.plan.edit(1, algorithm="collective"))(*args)
