@@ -18,7 +18,8 @@ AUTO_ALGORITHMS = ("collective", "meshslice")
 
 
 def model_dataflow(dataflow: str) -> str:
-  """The cost model predicts 1D sites as the 2D formulas with one axis of size 1 ("rs")."""
+  """The cost model predicts 1D sites as the 2D formulas with one axis of size 1 ("rs"),
+  with M standing for whichever free dim the site communicates (see `problem_for`)."""
   return "rs" if dataflow.startswith("1d") else dataflow
 
 
@@ -44,6 +45,11 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
                in_bytes=jnp.dtype(lhs_dtype).itemsize, out_bytes=jnp.dtype(out_dtype).itemsize)
   mesh_order = list(axis_sizes)
   if one_d:
+    # The 1D model communicates M ("rs" with one axis of size 1). When the emitted code
+    # moves an rhs free dim instead (a gathered weight, partial sums scattered along N),
+    # the same product with M and N exchanged is the one that is emitted.
+    if _moves_rhs_free_dim(geometry, len(lb), len(lf)):
+      sizes["m"], sizes["n"] = sizes["n"], sizes["m"]
     return costmodel.GemmProblem.one_d(
         size=geometry.axis_size, collective=geometry.kind,
         profile_dim=min(mesh_order.index(geometry.axis), 1), **sizes)
@@ -52,6 +58,12 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
   return costmodel.GemmProblem(
       rows=geometry.row_size, cols=geometry.col_size,
       row_profile_dim=0 if row_first else 1, col_profile_dim=1 if row_first else 0, **sizes)
+
+
+def _moves_rhs_free_dim(geometry, n_batch, n_lhs_free) -> bool:
+  if geometry.kind == "all_gather":
+    return geometry.lhs_dim is None
+  return geometry.out_dim >= n_batch + n_lhs_free
 
 
 def predict(problem, profile, algorithm, dataflow, ksplit) -> float:

@@ -1,24 +1,36 @@
 """Matching: is a dot_general a 2D-sharded site, and which dataflows can serve it?
 
 Write the site as Y[M, N] = X[M, K] . W[K, N] where M, K, N are the groups of lhs free,
-contracting and rhs free dims (batch dims ride along). Each mesh axis that shards an
-operand is classified by where it appears:
+contracting and rhs free dims (batch dims ride along). Classification reads like
+DESIGN.md section 4, one small step each:
 
-  lhs M and rhs K   -> the row axis r of OS      lhs K and rhs N  -> the column axis c of OS
-  lhs M and rhs N   -> the "cross" axis of LS/RS (must move: it cannot split Y twice)
-  lhs K and rhs K (same contracting pair)   -> LS/RS's scatter axis, or an extra reduction
-  only lhs M, only rhs N, or a batch dim    -> passes through (no communication)
-
-OS needs exactly one r and one c on the same contracting pair. LS and RS need one cross
-axis a and a contracting axis b; LS outputs (M:a, N:b), RS outputs (M:b, N:a), so the
-output layout the program wants decides between them.
+  describe    each operand's per-dim axis tuples, grouped into M, K, N and batch
+  roles       each mesh axis by where it appears:
+                lhs M and rhs K   -> the row axis r of OS
+                lhs K and rhs N   -> the column axis c of OS
+                lhs M and rhs N   -> the "cross" axis of LS/RS (must move: it cannot
+                                     split Y twice)
+                lhs K and rhs K   -> LS/RS's scatter axis, or an extra reduction
+                only lhs M, only rhs N -> passes through (no communication)
+  candidates  OS needs one r and one c on the same contracting pair; LS and RS need one
+              cross axis a and a contracting axis b (LS outputs (M:a, N:b), RS outputs
+              (M:b, N:a), so the output layout the program wants decides); 1D sites
+              have one axis only
+  validate    `validation.site_reason` proves each candidate's shard_map computes the
+              dot_general (axis tuples equal *in order* on every contracting and batch
+              pair, divisibility, the output layout); candidates it cannot prove are
+              dropped, and if none is left the site is left alone with its reason
+  choose      the candidate whose output layout the program wants
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from meshslice.rewrites import GemmGeometry, OneDGeometry
+
 from . import specs as S
+from . import validation
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +54,61 @@ class Classification:
   reason: str = ""
 
 
+class _LeftAlone(Exception):
+  """Raised inside the classification steps: the site cannot be served, and why."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Operands:
+  """Step 1: the dot_general's dim groups and each operand's per-dim axis tuples."""
+  dimension_numbers: tuple
+  lhs_shape: tuple
+  rhs_shape: tuple
+  lhs_spec: tuple
+  rhs_spec: tuple
+  axis_sizes: dict
+  lc: tuple
+  rc: tuple
+  lb: tuple
+  rb: tuple
+  lf: tuple
+  rf: tuple
+
+  def out_position(self, operand, d):
+    nb = len(self.lb)
+    return nb + (self.lf.index(d) if operand == "lhs" else len(self.lf) + self.rf.index(d))
+
+  def out_spec(self, m_override=None, n_override=None):
+    """The output layout with lhs-free dim (or rhs-free dim) d replaced: (d, axes)."""
+    out = [self.lhs_spec[d] for d in self.lb]
+    for d in self.lf:
+      out.append(m_override[1] if m_override and m_override[0] == d else self.lhs_spec[d])
+    for d in self.rf:
+      out.append(n_override[1] if n_override and n_override[0] == d else self.rhs_spec[d])
+    return tuple(out)
+
+  def extent(self, operand, d):
+    """Extent of dim d within one shard of its extra (major) axes: what the minor axis
+    communicates."""
+    shape, spec = ((self.lhs_shape, self.lhs_spec) if operand == "lhs"
+                   else (self.rhs_shape, self.rhs_spec))
+    return shape[d] // math.prod(self.axis_sizes[a] for a in spec[d][:-1])
+
+  def extras(self, operand, d):
+    """The axes that split dim d besides its last (minor) one."""
+    return tuple((self.lhs_spec if operand == "lhs" else self.rhs_spec)[d][:-1])
+
+  def minor_reason(self, operand, d, ax):
+    spec = self.lhs_spec if operand == "lhs" else self.rhs_spec
+    if spec[d][-1] != ax:
+      return (f"{operand} dim {d} is split over {spec[d]} with {ax!r} not last: the "
+              "communicated axis must be the minor one")
+    return ""
+
+  def mesh_order(self, axis):
+    return list(self.axis_sizes).index(axis)
+
+
 def _groups(dimension_numbers, lhs_ndim, rhs_ndim):
   (lc, rc), (lb, rb) = dimension_numbers
   lf = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
@@ -63,191 +130,231 @@ def natural_output_spec(dimension_numbers, lhs_spec, rhs_spec):
   return tuple(out)
 
 
-def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
-             axis_sizes: dict) -> Classification:
-  """Every dataflow (os/ls/rs) that serves this dot_general, or why none does."""
+def describe(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
+             axis_sizes) -> Operands:
+  """Step 1: group the dims; refuse unknown, empty and batch-mismatched operands."""
   if lhs_spec is None or rhs_spec is None:
-    return Classification(reason="operand sharding unknown (no in_shardings, constraint or "
-                                 "explicit-mode type reaches this matmul)")
+    raise _LeftAlone("operand sharding unknown (no in_shardings, constraint or "
+                     "explicit-mode type reaches this matmul)")
+  if 0 in tuple(lhs_shape) + tuple(rhs_shape):
+    raise _LeftAlone("an operand has a zero-size dim: nothing to compute or communicate")
   lc, rc, lb, rb, lf, rf = _groups(dimension_numbers, len(lhs_shape), len(rhs_shape))
-  nbatch = len(lb)
   for a, b in zip(lb, rb):
     if lhs_spec[a] != rhs_spec[b]:
-      return Classification(reason=f"batch dims sharded differently: lhs {S.describe(lhs_spec)}"
-                                   f", rhs {S.describe(rhs_spec)}")
-  batch_axes = {ax for d in lb for ax in lhs_spec[d]}
+      raise _LeftAlone(f"batch dims sharded differently: lhs {S.describe(lhs_spec)}, "
+                       f"rhs {S.describe(rhs_spec)}")
+  return Operands(dimension_numbers=dimension_numbers, lhs_shape=tuple(lhs_shape),
+                  rhs_shape=tuple(rhs_shape), lhs_spec=tuple(lhs_spec),
+                  rhs_spec=tuple(rhs_spec), axis_sizes=dict(axis_sizes),
+                  lc=tuple(lc), rc=tuple(rc), lb=tuple(lb), rb=tuple(rb), lf=tuple(lf),
+                  rf=tuple(rf))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Roles:
+  """Step 2: what each mesh axis does in this matmul (see the module docstring)."""
+  os_row: tuple = ()       # (axis, rhs K dim)
+  os_col: tuple = ()       # (axis, lhs K dim)
+  cross: tuple = ()        # (axis, lhs M dim, rhs N dim)
+  shared_k: tuple = ()     # (axis, lhs K dim, rhs K dim)
+  passthrough: tuple = ()  # axis
+
+
+def roles(ops: Operands) -> Roles:
   where = {}   # axis -> list of (operand, group, dim)
-  for operand, spec, groups in (("lhs", lhs_spec, (("M", lf), ("K", lc))),
-                                ("rhs", rhs_spec, (("N", rf), ("K", rc)))):
+  for operand, spec, groups in (("lhs", ops.lhs_spec, (("M", ops.lf), ("K", ops.lc))),
+                                ("rhs", ops.rhs_spec, (("N", ops.rf), ("K", ops.rc)))):
     for group, dims in groups:
       for d in dims:
         for ax in spec[d]:
           where.setdefault(ax, []).append((operand, group, d))
   if not where:
-    return Classification(reason="no mesh axis shards a non-batch dim (nothing to "
-                                 "communicate)" if batch_axes else
-                                 "unsharded: no mesh axis splits either operand")
-
-  def kpos(operand, d):
-    return (lc if operand == "lhs" else rc).index(d)
-
-  os_row, os_col, cross, shared_k, passthrough = [], [], [], [], []
-  for ax in sorted(where, key=lambda a: list(axis_sizes).index(a)):
+    batch_axes = {ax for d in ops.lb for ax in ops.lhs_spec[d]}
+    raise _LeftAlone("no mesh axis shards a non-batch dim (nothing to communicate)"
+                     if batch_axes else "unsharded: no mesh axis splits either operand")
+  found = {"os_row": [], "os_col": [], "cross": [], "shared_k": [], "passthrough": []}
+  for ax in sorted(where, key=ops.mesh_order):
     sig = sorted((o, g) for o, g, _ in where[ax])
     dims = {(o, g): d for o, g, d in where[ax]}
     if sig == [("lhs", "M"), ("rhs", "K")]:
-      os_row.append((ax, dims[("rhs", "K")]))
+      found["os_row"].append((ax, dims[("rhs", "K")]))
     elif sig == [("lhs", "K"), ("rhs", "N")]:
-      os_col.append((ax, dims[("lhs", "K")]))
+      found["os_col"].append((ax, dims[("lhs", "K")]))
     elif sig == [("lhs", "M"), ("rhs", "N")]:
-      cross.append((ax, dims[("lhs", "M")], dims[("rhs", "N")]))
+      found["cross"].append((ax, dims[("lhs", "M")], dims[("rhs", "N")]))
     elif sig == [("lhs", "K"), ("rhs", "K")]:
-      if kpos("lhs", dims[("lhs", "K")]) != kpos("rhs", dims[("rhs", "K")]):
-        return Classification(reason=f"axis {ax!r} splits different contracting dims of "
-                                     "lhs and rhs")
-      shared_k.append((ax, dims[("lhs", "K")], dims[("rhs", "K")]))
+      lk, rk = dims[("lhs", "K")], dims[("rhs", "K")]
+      if ops.lc.index(lk) != ops.rc.index(rk):
+        raise _LeftAlone(f"axis {ax!r} splits different contracting dims of lhs and rhs")
+      found["shared_k"].append((ax, lk, rk))
     elif sig in ([("lhs", "M")], [("rhs", "N")]):
-      passthrough.append(ax)
+      found["passthrough"].append(ax)
     else:
       places = ", ".join(f"{o} {g}-dim {d}" for o, g, d in where[ax])
-      return Classification(reason=f"axis {ax!r} appears at {places}: not an OS/LS/RS "
-                                   "pattern (needs resharding GSPMD would insert)")
+      raise _LeftAlone(f"axis {ax!r} appears at {places}: not an OS/LS/RS pattern (needs "
+                       "resharding GSPMD would insert)")
+  found = Roles(**{k: tuple(v) for k, v in found.items()})
+  if not (found.os_row or found.os_col or found.cross or found.shared_k):
+    involved = ", ".join(sorted(set(found.passthrough)))
+    raise _LeftAlone(f"no communication needed: axis {involved} splits only one operand's "
+                     "free dims (runs locally)")
+  return found
 
-  tp_axes = [a for a, *_ in os_row + os_col + cross]
-  if not tp_axes and not shared_k:
-    involved = ", ".join(sorted(set(passthrough)))
-    return Classification(reason=f"no communication needed: axis {involved} splits only one "
-                                 "operand's free dims (runs locally)")
-  def out_spec(m_override=None, n_override=None):
-    out = [lhs_spec[d] for d in lb]
-    for d in lf:
-      out.append(m_override[1] if m_override and m_override[0] == d else lhs_spec[d])
-    for d in rf:
-      out.append(n_override[1] if n_override and n_override[0] == d else rhs_spec[d])
-    return tuple(out)
 
-  def out_position(operand, d):
-    return nbatch + (lf.index(d) if operand == "lhs" else len(lf) + rf.index(d))
+def candidates(ops: Operands, r: Roles) -> list:
+  """Step 3: every dataflow the roles allow (not yet validated)."""
+  if r.os_row or r.os_col:
+    if not r.cross and len(r.os_row) + len(r.os_col) == 1:
+      return _os_one_axis(ops, r)
+    if r.cross or len(r.os_row) != 1 or len(r.os_col) != 1:
+      raise _LeftAlone("mixed sharding: parts of the OS pattern without the rest (each of r "
+                       "and c must split one dim of each operand)")
+    return _os(ops, r)
+  if len(r.cross) > 1:
+    raise _LeftAlone(f"axes {[a for a, *_ in r.cross]} split both M and N; at most one can "
+                     "move")
+  if r.cross and not r.shared_k:
+    return _gather_1d(ops, r)
+  if r.cross:
+    return _ls_rs(ops, r)
+  return _scatter_1d(ops, r)
 
-  def extras(spec, d):
-    """The axes that split dim d besides its last (minor) one."""
-    return tuple(spec[d][:-1])
 
-  def extent(shape, spec, d):
-    """Extent of dim d within one shard of its extra (major) axes: what the minor axis
-    communicates. The communicated axis must be the minor one, so that gathering or
-    scattering over it keeps every shard of the extra axes contiguous."""
-    return shape[d] // math.prod(axis_sizes[a] for a in extras(spec, d))
+def _os(ops, r):
+  (row, rk), (col, lk) = r.os_row[0], r.os_col[0]
+  if ops.lc.index(lk) != ops.rc.index(rk):
+    raise _LeftAlone("OS pattern splits different contracting dims on lhs and rhs")
+  why = ops.minor_reason("lhs", lk, col) or ops.minor_reason("rhs", rk, row)
+  if why:
+    raise _LeftAlone(why)
+  return [Match(dataflow="os", row_axis=row, col_axis=col, lhs_dim=lk, rhs_dim=rk,
+                out_dim=None, global_extent=ops.extent("lhs", lk),
+                reduce_axes=tuple(a for a, *_ in r.shared_k), out_spec=ops.out_spec())]
 
-  def minor_or_reason(operand, spec, d, ax):
-    if spec[d][-1] != ax:
-      return (f"{operand} dim {d} is split over {spec[d]} with {ax!r} not last: the "
-              "communicated axis must be the minor one")
-    return ""
 
-  def largest(axes):
-    return max(axes, key=lambda t: (axis_sizes[t[0]], -list(axis_sizes).index(t[0])))
-
-  matches = []
-  if os_row or os_col:
-    if not cross and len(os_row) + len(os_col) == 1:
-      # 1D: one operand's contracting dim is split (a sequence-parallel weight gradient):
-      # OS with the other axis of size 1 -- only that operand is gathered, slice by slice.
-      if os_row:
-        (r, rk), c = os_row[0], None
-        lk = lc[rc.index(rk)]
-        why = minor_or_reason("rhs", rhs_spec, rk, r) or (
-            "" if not lhs_spec[lk] else f"lhs contracting dim {lk} is split as well")
-        extent_k = extent(rhs_shape, rhs_spec, rk) if not why else 0
-      else:
-        (c, lk), r = os_col[0], None
-        rk = rc[lc.index(lk)]
-        why = minor_or_reason("lhs", lhs_spec, lk, c) or (
-            "" if not rhs_spec[rk] else f"rhs contracting dim {rk} is split as well")
-        extent_k = extent(lhs_shape, lhs_spec, lk) if not why else 0
-      if why:
-        return Classification(reason=why)
-      return Classification(matches=(Match(
-          dataflow="os", row_axis=r, col_axis=c, lhs_dim=lk, rhs_dim=rk, out_dim=None,
-          global_extent=extent_k, reduce_axes=tuple(a for a, *_ in shared_k),
-          out_spec=out_spec()),))
-    if cross or len(os_row) != 1 or len(os_col) != 1:
-      return Classification(reason="mixed sharding: parts of the OS pattern without the "
-                                   "rest (each of r and c must split one dim of each operand)")
-    (r, rk), (c, lk) = os_row[0], os_col[0]
-    if kpos("lhs", lk) != kpos("rhs", rk):
-      return Classification(reason="OS pattern splits different contracting dims on lhs "
-                                   "and rhs")
-    why = (minor_or_reason("lhs", lhs_spec, lk, c) or minor_or_reason("rhs", rhs_spec, rk, r)
-           or ("" if extras(lhs_spec, lk) == extras(rhs_spec, rk) else
-               "the contracting dim is split over different extra axes on lhs and rhs"))
-    if why:
-      return Classification(reason=why)
-    matches.append(Match(dataflow="os", row_axis=r, col_axis=c, lhs_dim=lk, rhs_dim=rk,
-                         out_dim=None, global_extent=extent(lhs_shape, lhs_spec, lk),
-                         reduce_axes=tuple(a for a, *_ in shared_k), out_spec=out_spec()))
-  elif len(cross) > 1:
-    return Classification(reason=f"axes {[a for a, *_ in cross]} split both M and N; "
-                                 "at most one can move")
-  elif cross and not shared_k:
-    # 1D all-gather (sequence-parallel input of a Megatron block): one operand's free dim
-    # is gathered; which one depends on the output layout the program wants.
-    a, m_dim, n_dim = cross[0]
-    if not minor_or_reason("lhs", lhs_spec, m_dim, a):
-      matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=m_dim,
-                           rhs_dim=None, out_dim=out_position("lhs", m_dim),
-                           global_extent=extent(lhs_shape, lhs_spec, m_dim), reduce_axes=(),
-                           out_spec=out_spec(m_override=(m_dim, extras(lhs_spec, m_dim)))))
-    if not minor_or_reason("rhs", rhs_spec, n_dim, a):
-      matches.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=None,
-                           rhs_dim=n_dim, out_dim=out_position("rhs", n_dim),
-                           global_extent=extent(rhs_shape, rhs_spec, n_dim), reduce_axes=(),
-                           out_spec=out_spec(n_override=(n_dim, extras(rhs_spec, n_dim)))))
-    if not matches:
-      return Classification(reason=minor_or_reason("lhs", lhs_spec, m_dim, a))
-  elif cross:
-    a, m_dim, n_dim = cross[0]
-    # Any contracting axis b can carry the reduce-scatter (the others are summed with a
-    # psum): one LS and one RS candidate per b, the largest b first (ties: mesh order),
-    # and the output layout the program wants picks among them.
-    for b, _, _ in sorted(shared_k, key=lambda t: (-axis_sizes[t[0]],
-                                                   list(axis_sizes).index(t[0]))):
-      reduce = tuple(x for x, *_ in shared_k if x != b)
-      if not minor_or_reason("rhs", rhs_spec, n_dim, a):
-        matches.append(Match(
-            dataflow="ls", row_axis=a, col_axis=b, lhs_dim=None, rhs_dim=n_dim,
-            out_dim=out_position("rhs", n_dim),
-            global_extent=extent(rhs_shape, rhs_spec, n_dim), reduce_axes=reduce,
-            out_spec=out_spec(n_override=(n_dim, extras(rhs_spec, n_dim) + (b,)))))
-      if not minor_or_reason("lhs", lhs_spec, m_dim, a):
-        matches.append(Match(
-            dataflow="rs", row_axis=b, col_axis=a, lhs_dim=m_dim, rhs_dim=None,
-            out_dim=out_position("lhs", m_dim),
-            global_extent=extent(lhs_shape, lhs_spec, m_dim), reduce_axes=reduce,
-            out_spec=out_spec(m_override=(m_dim, extras(lhs_spec, m_dim) + (b,)))))
-    if not matches:
-      return Classification(reason=minor_or_reason("rhs", rhs_spec, n_dim, a))
+def _os_one_axis(ops, r):
+  """One operand's contracting dim is split (a sequence-parallel weight gradient): OS with
+  the other axis of size 1 -- only that operand is gathered, slice by slice."""
+  if r.os_row:
+    (row, rk), col = r.os_row[0], None
+    lk = ops.lc[ops.rc.index(rk)]
+    why = ops.minor_reason("rhs", rk, row)
+    extent = ops.extent("rhs", rk)
   else:
-    # 1D reduce-scatter (row-parallel linear): partial sums over axis b are scattered
-    # along a free dim that is not split yet; which one depends on the wanted layout.
-    b, lk, rk = largest(shared_k)
-    reduce = tuple(x for x, *_ in shared_k if x != b)
-    for operand, dims, shape, spec in (("lhs", lf, lhs_shape, lhs_spec),
-                                       ("rhs", rf, rhs_shape, rhs_spec)):
-      for d in dims:
-        if spec[d] or shape[d] % axis_sizes[b]:
-          continue
-        override = {"m_override" if operand == "lhs" else "n_override": (d, (b,))}
-        matches.append(Match(dataflow="1d-scatter", row_axis=b, col_axis=b, lhs_dim=lk,
-                             rhs_dim=rk, out_dim=out_position(operand, d),
-                             global_extent=shape[d], reduce_axes=reduce,
-                             out_spec=out_spec(**override)))
-    if not matches:
-      return Classification(reason=f"contraction split over {b!r} and no free dim can take "
-                                   "the scattered result: a plain all-reduce")
-  matches = [m for m in matches if len(S.axes_of(m.out_spec)) == len(set(S.axes_of(m.out_spec)))]
+    (col, lk), row = r.os_col[0], None
+    rk = ops.rc[ops.lc.index(lk)]
+    why = ops.minor_reason("lhs", lk, col)
+    extent = ops.extent("lhs", lk)
+  if why:
+    raise _LeftAlone(why)
+  return [Match(dataflow="os", row_axis=row, col_axis=col, lhs_dim=lk, rhs_dim=rk,
+                out_dim=None, global_extent=extent,
+                reduce_axes=tuple(a for a, *_ in r.shared_k), out_spec=ops.out_spec())]
+
+
+def _gather_1d(ops, r):
+  """1D all-gather (sequence-parallel input of a Megatron block): one operand's free dim
+  is gathered; which one depends on the output layout the program wants."""
+  a, m_dim, n_dim = r.cross[0]
+  found = []
+  if not ops.minor_reason("lhs", m_dim, a):
+    found.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=m_dim,
+                       rhs_dim=None, out_dim=ops.out_position("lhs", m_dim),
+                       global_extent=ops.extent("lhs", m_dim), reduce_axes=(),
+                       out_spec=ops.out_spec(m_override=(m_dim, ops.extras("lhs", m_dim)))))
+  if not ops.minor_reason("rhs", n_dim, a):
+    found.append(Match(dataflow="1d-gather", row_axis=a, col_axis=a, lhs_dim=None,
+                       rhs_dim=n_dim, out_dim=ops.out_position("rhs", n_dim),
+                       global_extent=ops.extent("rhs", n_dim), reduce_axes=(),
+                       out_spec=ops.out_spec(n_override=(n_dim, ops.extras("rhs", n_dim)))))
+  if not found:
+    raise _LeftAlone(ops.minor_reason("lhs", m_dim, a))
+  return found
+
+
+def _ls_rs(ops, r):
+  """Any contracting axis b can carry the reduce-scatter (the others are summed with a
+  psum): one LS and one RS candidate per b, the largest b first (ties: mesh order), and
+  the output layout the program wants picks among them."""
+  a, m_dim, n_dim = r.cross[0]
+  found = []
+  for b, _, _ in sorted(r.shared_k, key=lambda t: (-ops.axis_sizes[t[0]],
+                                                   ops.mesh_order(t[0]))):
+    reduce = tuple(x for x, *_ in r.shared_k if x != b)
+    if not ops.minor_reason("rhs", n_dim, a):
+      found.append(Match(
+          dataflow="ls", row_axis=a, col_axis=b, lhs_dim=None, rhs_dim=n_dim,
+          out_dim=ops.out_position("rhs", n_dim), global_extent=ops.extent("rhs", n_dim),
+          reduce_axes=reduce,
+          out_spec=ops.out_spec(n_override=(n_dim, ops.extras("rhs", n_dim) + (b,)))))
+    if not ops.minor_reason("lhs", m_dim, a):
+      found.append(Match(
+          dataflow="rs", row_axis=b, col_axis=a, lhs_dim=m_dim, rhs_dim=None,
+          out_dim=ops.out_position("lhs", m_dim), global_extent=ops.extent("lhs", m_dim),
+          reduce_axes=reduce,
+          out_spec=ops.out_spec(m_override=(m_dim, ops.extras("lhs", m_dim) + (b,)))))
+  if not found:
+    raise _LeftAlone(ops.minor_reason("rhs", n_dim, a))
+  return found
+
+
+def _scatter_1d(ops, r):
+  """1D reduce-scatter (row-parallel linear): partial sums over axis b are scattered
+  along a free dim that is not split yet; which one depends on the wanted layout."""
+  b, lk, rk = max(r.shared_k, key=lambda t: (ops.axis_sizes[t[0]], -ops.mesh_order(t[0])))
+  reduce = tuple(x for x, *_ in r.shared_k if x != b)
+  found = []
+  for operand, dims, shape, spec in (("lhs", ops.lf, ops.lhs_shape, ops.lhs_spec),
+                                     ("rhs", ops.rf, ops.rhs_shape, ops.rhs_spec)):
+    for d in dims:
+      if spec[d] or shape[d] % ops.axis_sizes[b]:
+        continue
+      override = {"m_override" if operand == "lhs" else "n_override": (d, (b,))}
+      found.append(Match(dataflow="1d-scatter", row_axis=b, col_axis=b, lhs_dim=lk,
+                         rhs_dim=rk, out_dim=ops.out_position(operand, d),
+                         global_extent=shape[d], reduce_axes=reduce,
+                         out_spec=ops.out_spec(**override)))
+  if not found:
+    raise _LeftAlone(f"contraction split over {b!r} and no free dim can take the scattered "
+                     "result: a plain all-reduce")
+  return found
+
+
+def geometry_of(match: Match, dimension_numbers, axis_sizes, **dot_params):
+  """The rewrite geometry that emits `match` (dot_params: precision,
+  preferred_element_type, out_dtype)."""
+  common = dict(dimension_numbers=dimension_numbers, lhs_dim=match.lhs_dim,
+                rhs_dim=match.rhs_dim, out_dim=match.out_dim,
+                global_extent=match.global_extent, reduce_axes=match.reduce_axes,
+                **dot_params)
+  if match.dataflow.startswith("1d"):
+    return OneDGeometry(
+        kind="all_gather" if match.dataflow == "1d-gather" else "reduce_scatter",
+        axis=match.row_axis, axis_size=axis_sizes[match.row_axis], **common)
+  return GemmGeometry(dataflow=match.dataflow, row_axis=match.row_axis,
+                      col_axis=match.col_axis, row_size=axis_sizes.get(match.row_axis, 1),
+                      col_size=axis_sizes.get(match.col_axis, 1), **common)
+
+
+def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
+             axis_sizes: dict) -> Classification:
+  """Every dataflow (os/ls/rs/1d) that provably serves this dot_general, or why none does."""
+  try:
+    ops = describe(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec, axis_sizes)
+    proposed = candidates(ops, roles(ops))
+  except _LeftAlone as e:
+    return Classification(reason=str(e))
+  matches, reasons = [], []
+  for m in proposed:
+    why = validation.site_reason(geometry_of(m, dimension_numbers, axis_sizes),
+                                 lhs_shape, rhs_shape, (lhs_spec, rhs_spec, m.out_spec),
+                                 axis_sizes)
+    if why:
+      reasons.append(why)
+    else:
+      matches.append(m)
   if not matches:
-    return Classification(reason="the output would need one mesh axis on two dims")
+    return Classification(reason=f"not provably exact: {reasons[0]}")
   return Classification(matches=tuple(matches))
 
 

@@ -16,12 +16,13 @@ import dataclasses
 import jax.numpy as jnp
 
 from meshslice import rewrites
-from meshslice.rewrites import GemmGeometry, OneDGeometry
+from meshslice.rewrites import GemmGeometry
 
 from . import analysis as A
 from . import costing
 from . import matching
 from . import specs as S
+from . import validation
 from ._jax_internals import name_stack, source_location
 
 
@@ -174,24 +175,17 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   if match is None:
     return Site(rewritten=False, reason=reason, **base)
   base["out_spec"] = S.describe(match.out_spec)
-  common = dict(dimension_numbers=dimension_numbers, lhs_dim=match.lhs_dim,
-                rhs_dim=match.rhs_dim, out_dim=match.out_dim,
-                global_extent=match.global_extent, reduce_axes=match.reduce_axes,
-                precision=eqn.params.get("precision"),
-                preferred_element_type=eqn.params.get("preferred_element_type"),
-                out_dtype=out.aval.dtype)
-  if match.dataflow.startswith("1d"):
-    geometry = OneDGeometry(
-        kind="all_gather" if match.dataflow == "1d-gather" else "reduce_scatter",
-        axis=match.row_axis, axis_size=ctx.axis_sizes[match.row_axis], **common)
-    mesh_axes = (match.row_axis,)
-  else:
-    geometry = GemmGeometry(
-        dataflow=match.dataflow, row_axis=match.row_axis, col_axis=match.col_axis,
-        row_size=ctx.axis_sizes.get(match.row_axis, 1),
-        col_size=ctx.axis_sizes.get(match.col_axis, 1),
-        **common)
-    mesh_axes = (match.row_axis, match.col_axis)
+  geometry = matching.geometry_of(
+      match, dimension_numbers, ctx.axis_sizes, precision=eqn.params.get("precision"),
+      preferred_element_type=eqn.params.get("preferred_element_type"),
+      out_dtype=out.aval.dtype)
+  mesh_axes = ((match.row_axis,) if match.dataflow.startswith("1d")
+               else (match.row_axis, match.col_axis))
+  # the gate before emission: what is emitted must provably compute this dot_general
+  why_not = validation.site_reason(geometry, lhs.aval.shape, rhs.aval.shape,
+                                   (lhs_spec, rhs_spec, match.out_spec), ctx.axis_sizes)
+  if why_not:
+    return Site(rewritten=False, reason=f"not provably exact: {why_not}", **base)
   decided = dict(dataflow=match.dataflow, mesh_axes=mesh_axes,
                  geometry=geometry, specs=(lhs_spec, rhs_spec, match.out_spec))
   if not geometry.valid_ksplits():
