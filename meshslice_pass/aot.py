@@ -308,6 +308,40 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0) -> Aot
                    flags=os.environ.get("LIBTPU_INIT_ARGS", ""))
 
 
+def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = None) -> dict:
+  """Compile `fn` once per candidate plan under this process's libtpu flags and read each
+  with the schedule simulator: the hook for a planner that wants the compiler's verdict
+  on a site (or a whole step) rather than the analytic model's.
+
+  candidates: {name: None (leave it to XLA: plain `fn`) or a dict of
+  meshslice.transform options (e.g. {"algorithm": "meshslice", "ksplit": 2}, or
+  {"overrides": {...}} to pin single sites)}. profile: for planning and simulation
+  (default: the mesh's TPU generation).
+
+  Returns {name: AotResult}; compare `result.simulation.step_s`. (Windowed einsum on and
+  off need separate processes: run the "leave it to XLA" candidate under both flag sets.)
+
+  Example:
+    >>> results = compare_candidates(step, params, batch, mesh=mesh, candidates={
+    ...     "xla": None, "S=2": {"algorithm": "meshslice", "ksplit": 2}})  # doctest: +SKIP
+    >>> min(results, key=lambda k: results[k].simulation.step_s)        # doctest: +SKIP
+  """
+  from .transform import transform
+  if profile is None:
+    kinds = {d.device_kind for d in mesh.devices.flat}
+    profile = next((g.profile for g in GENERATIONS.values() if g.device_kind in kinds),
+                   "tpu-v4")
+  out = {}
+  for name, options in candidates.items():
+    if options is not None and not isinstance(options, dict):
+      raise ValueError(f"candidate {name!r}: expected None (plain jit) or a dict of "
+                       f"meshslice.transform options, got {options!r}")
+    candidate = fn if options is None else transform(fn, **{"profile": profile, **options})
+    compiled, seconds = compile(candidate, *args, mesh=mesh)
+    out[name] = analyze(compiled, profile, compile_s=seconds)
+  return out
+
+
 # ----------------------------------------------------------------------------- models
 
 def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,

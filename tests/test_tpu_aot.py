@@ -305,3 +305,17 @@ def test_aot_async_flags_give_paired_overlapped_collectives():
   assert result["starts"] >= 1 and result["paired"]
   assert result["between"] > 0                 # a partial matmul runs under each
   assert result["summary"] == result["starts"]
+
+
+def test_compare_candidates_hook_for_the_planner():
+  pytest.importorskip("libtpu")
+  mesh = aot.make_mesh("v4:2x2x1", (2, 2))
+  f, x = _matmul(mesh, n=1024)
+  results = aot.compare_candidates(f, x, x, mesh=mesh, candidates={
+      "xla": None, "S=2": {"algorithm": "meshslice", "ksplit": 2}})
+  assert set(results) == {"xla", "S=2"}
+  assert results["xla"].summary.collective_count == {"all-gather": 2}
+  assert results["S=2"].summary.collective_count == {"all-gather": 4}
+  assert all(r.simulation.step_s > 0 for r in results.values())
+  with pytest.raises(ValueError, match="candidate 'bad': expected None"):
+    aot.compare_candidates(f, x, x, mesh=mesh, candidates={"bad": 3})

@@ -1,0 +1,177 @@
+"""What the real TPU compiler makes of a transformer layer's training step: plain jit (XLA's
+windowed einsum on, the default), dense (windowed einsum off) and meshslice's default
+plan, compiled ahead of time for TPU pods on this machine (libtpu, no TPU needed; see
+meshslice.aot) and read with meshslice.costmodel.tpu_schedule.
+
+The step is meshslice.demo's (layernorm, attention, MLP; fwd + bwd + SGD; lax.scan over
+jax.checkpoint-ed layers), at GPT-3 (hidden 12288, 96 heads) or Megatron-NLG (20480,
+160 heads) size, sequence 2048, one sequence per chip, bfloat16, --layers layers. Each
+(model, chips) runs on the mesh shape the cost model recommends (`python -m meshslice
+autotune --model M --chips P`), unless --mesh says otherwise. Variants, each compiled in
+its own process (libtpu reads its flags once per process):
+
+  plain      the user's jitted step, libtpu defaults (windowed einsum fires on big GEMMs)
+  dense      the same, --xla_tpu_enable_windowed_einsum_for_{all_gather,reduce_scatter}
+             =false: local GEMMs, synchronous collectives
+  meshslice  meshslice.transform(step) with the default plan, async collective flags
+             (meshslice.aot.ASYNC_FLAGS) so its sliced collectives can overlap
+  plain_async, dense_async   plain / dense with the async flags too (optional)
+
+Figures per variant (per device, one step; loops times their trip counts):
+  compute Mcyc   sum of the compiler's estimated cycles (dot + relayout copies + other)
+  dot Mcyc       of which dots / convolutions
+  copies         relayout copies run
+  coll GB        bytes one device sends in collectives (ring formulas, tpu_schedule)
+  WE loops       windowed-einsum loops (XLA's collective matmul)
+  step ms        simulated step: compiler cycles at the chip clock, collectives from the
+                 profile's ICI model, async ones overlapping what runs between start/done
+  exposed ms     step ms - compute ms
+  peak GiB       arguments + outputs + temps - aliased (compiled.memory_analysis())
+  compile s      compile time on this machine
+
+  python bench/tpu_aot.py --chips=64 --models=gpt3                  # ~5-10 min, 2 cores
+  python bench/tpu_aot.py --chips=64,256 --models=gpt3,megatron --out=/tmp/aot.jsonl \\
+      --markdown=/tmp/aot.md
+  python bench/tpu_aot.py --generations=v5p,v6e --chips=256
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_MODELS = flags.DEFINE_list("models", ["gpt3", "megatron"], "gpt3, megatron")
+_CHIPS = flags.DEFINE_list("chips", ["64", "256", "1024"], "chip counts")
+_GENERATIONS = flags.DEFINE_list("generations", ["v4"], "TPU generations: v4, v5p, v5e, v6e")
+_VARIANTS = flags.DEFINE_list("variants", ["plain", "dense", "meshslice"],
+                              "plain, dense, meshslice, plain_async, dense_async")
+_MESH = flags.DEFINE_list("mesh", [], "mesh overrides as CHIPS:RxC, e.g. 256:32x8")
+_LAYERS = flags.DEFINE_integer("layers", 1, "layers in the step")
+_TIMEOUT = flags.DEFINE_integer("timeout", 3600, "seconds per compile (each variant)")
+_OUT = flags.DEFINE_string("out", None, "append one JSON line per (model, chips, variant)")
+_MARKDOWN = flags.DEFINE_string("markdown", None, "write the table as markdown here")
+_WORKER = flags.DEFINE_string("worker", None, "internal: run one variant, JSON spec")
+
+VARIANTS = {   # name: (meshslice.transform?, libtpu flag presets of meshslice.aot)
+    "plain": (False, ()), "dense": (False, ("dense",)), "meshslice": (True, ("async",)),
+    "plain_async": (False, ("async",)), "dense_async": (False, ("dense", "async")),
+}
+
+
+def _worker(spec: dict) -> dict:
+  """Compile one variant in this process and return its figures."""
+  from meshslice import aot
+  use_pass, presets = VARIANTS[spec["variant"]]
+  aot.set_flags(*[f for p in presets for f in aot.FLAG_PRESETS[p]])
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  gen, _ = aot.parse_topology(spec["topology"])
+  mesh = aot.make_mesh(spec["topology"], spec["mesh"])
+  step, params, data = aot.model_step(spec["model"], mesh, layers=spec["layers"])
+  record = {}
+  fn = step
+  if use_pass:
+    import meshslice
+    fn = meshslice.transform(step, profile=gen.profile)
+    with jax.set_mesh(mesh):
+      report = fn.explain(params, data)
+    record["rewritten_sites"] = len(report.rewritten)
+    record["plans"] = sorted({f"{s.algorithm} {s.dataflow} S={s.ksplit}"
+                              for s in report.rewritten})
+  compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
+  record.update(aot.analyze(compiled, gen.profile, compile_s=seconds).row())
+  return record
+
+
+def _run_variant(spec: dict) -> dict:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  start = time.perf_counter()
+  try:
+    out = subprocess.run([sys.executable, __file__, f"--worker={json.dumps(spec)}"],
+                         capture_output=True, text=True, env=env, timeout=_TIMEOUT.value)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {_TIMEOUT.value} s"}
+  lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+  if not lines:
+    tail = [l for l in out.stderr.splitlines() if "Error" in l or "error" in l][-3:]
+    return {"error": f"exit {out.returncode}: {' | '.join(tail)[-500:]}",
+            "wall_s": time.perf_counter() - start}
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def _mesh_for(model: str, chips: int, profile: str):
+  for item in _MESH.value:
+    count, shape = item.split(":")
+    if int(count) == chips:
+      return tuple(int(v) for v in shape.split("x"))
+  from meshslice.costmodel.autotune import recommend_mesh
+  return recommend_mesh(chips, model=model, profile=profile).best_shape
+
+
+COLUMNS = ("model", "chips", "topology", "mesh", "variant", "compute Mcyc", "dot Mcyc",
+           "copies", "coll GB", "WE loops", "step ms", "exposed ms", "peak GiB", "compile s")
+
+
+def _cells(r: dict) -> list[str]:
+  head = [r["model"], str(r["chips"]), r["topology"], "x".join(map(str, r["mesh"])),
+          r["variant"]]
+  if "error" in r:
+    return head + [r["error"]] + [""] * (len(COLUMNS) - len(head) - 1)
+  return head + [f"{r['compute_cycles'] / 1e6:.1f}", f"{r['dot_cycles'] / 1e6:.1f}",
+                 str(r["relayout_copies"]), f"{r['collective_bytes'] / 1e9:.2f}",
+                 str(r["windowed_einsum_loops"]), f"{r['step_s'] * 1e3:.2f}",
+                 f"{r['exposed_s'] * 1e3:.2f}", f"{r['peak_bytes'] / 2**30:.2f}",
+                 f"{r['compile_s']:.0f}"]
+
+
+def markdown(records) -> str:
+  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  lines += ["| " + " | ".join(_cells(r)) + " |" for r in records]
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if _WORKER.value:
+    print("RESULT " + json.dumps(_worker(json.loads(_WORKER.value))), flush=True)
+    return
+  from meshslice import aot
+  if not aot.have_libtpu():
+    raise app.UsageError("bench/tpu_aot.py needs libtpu: pip install -e '.[tpu]'")
+  unknown = [v for v in _VARIANTS.value if v not in VARIANTS]
+  if unknown:
+    raise app.UsageError(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+  records = []
+  for generation in _GENERATIONS.value:
+    for model in _MODELS.value:
+      for chips in (int(c) for c in _CHIPS.value):
+        try:
+          topology = aot.topology_name(generation, chips)
+        except ValueError as e:
+          print(f"skip {generation} {model} {chips}: {e}", flush=True)
+          continue
+        profile = aot.GENERATIONS[generation].profile
+        mesh = _mesh_for(model, chips, profile)
+        for variant in _VARIANTS.value:
+          spec = {"model": model, "topology": topology, "mesh": list(mesh),
+                  "variant": variant, "layers": _LAYERS.value}
+          record = dict(spec, chips=chips, generation=generation, **_run_variant(spec))
+          records.append(record)
+          print(" | ".join(_cells(record)), flush=True)
+          if _OUT.value:
+            with open(_OUT.value, "a", encoding="utf-8") as f:
+              f.write(json.dumps(record, sort_keys=True) + "\n")
+  table = markdown(records)
+  print(table)
+  if _MARKDOWN.value:
+    with open(_MARKDOWN.value, "w", encoding="utf-8") as f:
+      f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
