@@ -3,11 +3,13 @@
     fast_step = meshslice.transform(step)         # same signature, shardings, donation
     print(meshslice.explain(step)(*args))          # what was rewritten, how, and why not
 """
+from .check import CheckResult, check
 from .options import Options
 from .plan import Plan
 from .planning import Site
 from .report import Report
 from .transform import Transformed, explain, transform
 
-__all__ = ["Options", "Plan", "Report", "Site", "Transformed", "explain", "transform"]
+__all__ = ["CheckResult", "Options", "Plan", "Report", "Site", "Transformed", "check", "explain",
+           "transform"]
 __version__ = "0.1.0"
