@@ -8,7 +8,8 @@ import sys
 
 def _demo(argv) -> int:
   parser = argparse.ArgumentParser(prog="python -m meshslice demo",
-                                   description="Transform a small GPT-style training step on "
+                                   description="Plan a GPT-3 layer for a TPU pod, then "
+                                               "transform a small GPT-style training step on "
                                                "an emulated 8-device CPU mesh and check it.")
   parser.add_argument("--mesh", default="2x4", help="mesh shape RxC, e.g. 2x4, 4x2, 2x2")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -18,7 +19,17 @@ def _demo(argv) -> int:
                            "pipeline), or 'auto' to let the cost model choose: for these "
                            "CPU-sized matmuls it predicts that slicing does not pay")
   parser.add_argument("--profile", default="tpu-v4", help="hardware profile for the cost model")
+  parser.add_argument("--target", default="32x8",
+                      help="mesh RxC of the pod to plan one GPT-3 layer for first (abstract "
+                           "inputs, nothing allocated), or 'none' to skip that part")
   args = parser.parse_args(argv)
+  target = None
+  if args.target.lower() != "none":
+    try:
+      target = tuple(int(v) for v in args.target.lower().split("x"))
+      assert len(target) == 2 and all(v >= 1 for v in target)
+    except (ValueError, AssertionError):
+      parser.error(f"--target must be RxC (e.g. 32x8) or 'none', got {args.target!r}")
   try:
     shape = tuple(int(v) for v in args.mesh.lower().split("x"))
     assert len(shape) == 2 and all(v >= 1 for v in shape) and shape[0] * shape[1] <= 8
@@ -44,7 +55,7 @@ def _demo(argv) -> int:
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", 8)
   from .demo import run_demo
-  err = run_demo(shape, args.dtype, args.explicit, **options)
+  err = run_demo(shape, args.dtype, args.explicit, target=target, **options)
   tolerance = 1e-3 if args.dtype == "float32" else 5e-2
   if err > tolerance:
     print(f"FAILED: transformed step differs by {err:.2e} > {tolerance}")

@@ -1,11 +1,16 @@
-"""A small GPT-style training step, sharded the 2D way, for the demo, tests and benches.
+"""A GPT-style training step, sharded the 2D way, for the demo, tests and benches.
+
+The demo tells two parts of one story: (1) plan the step at GPT-3 size for a TPU v4 pod
+on abstract inputs (nothing is allocated) and show what the cost model predicts there;
+(2) run the same step, small, on an emulated 8-device CPU mesh with slicing forced on,
+and check every number against the untransformed step.
 
 Embedding-free: each layer is layernorm -> attention (Q, K, V, out projections) ->
 layernorm -> MLP (up, gelu, down), residual connections; layers are stacked with
 `lax.scan` over `jax.checkpoint`-ed blocks; the loss is a mean squared error against a
 target; the update is plain SGD.
 
-2D layout (DESIGN.md section 4): activations [batch:row, seq, hidden:col], weights
+2D layout (docs/design.md, "The three dataflows"): activations [batch:row, seq, hidden:col], weights
 [in:row, out:col], so the forward matmuls are OS, backward-data LS, backward-weight RS.
 """
 from __future__ import annotations
@@ -31,6 +36,11 @@ class ModelConfig:
   dtype: str = "float32"
   learning_rate: float = 1e-2
 
+
+# One GPT-3 175B layer as the paper evaluates it: hidden 12288 (96 heads x 128), FF 4x,
+# sequence 2048, one sequence per chip of a 256-chip pod.
+GPT3_LAYER = ModelConfig(layers=1, batch=256, seq=2048, hidden=12288, heads=96, ffn=49152,
+                         dtype="bfloat16")
 
 WEIGHTS = ("wq", "wk", "wv", "wo", "w_up", "w_down")
 
@@ -153,6 +163,48 @@ def place(cfg: ModelConfig, mesh, seed=0):
   return params, batch
 
 
+def abstract_inputs(cfg: ModelConfig, mesh):
+  """Params and batch as `jax.ShapeDtypeStruct`s sharded on `mesh` (which may be a
+  `jax.sharding.AbstractMesh`): enough to plan, nothing allocated."""
+  row, col = mesh.axis_names[-2:]
+
+  def typed(shapes, specs):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                          sharding=NamedSharding(mesh, s)),
+                        shapes, specs)
+
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  batch = jax.eval_shape(lambda: init_batch(cfg, jax.random.key(0)))
+  return typed(params, param_specs(row, col)), typed(batch, batch_specs(row, col))
+
+
+def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(32, 8), echo=print, **options):
+  """Plan `cfg`'s training step for a pod of prod(mesh_shape) chips from this machine
+  and print the cost model's verdict. Returns the `Report`."""
+  from .transform import explain
+  mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), ("x", "y"),
+                                   axis_types=(AxisType.Auto,) * 2)
+  report = explain(make_step(cfg, mesh), **options)(*abstract_inputs(cfg, mesh))
+  plans = {}
+  for s in report.rewritten:
+    key = f"{s.algorithm} {s.dataflow} S={s.ksplit}"
+    plans[key] = plans.get(key, 0) + 1
+  chips = int(np.prod(mesh_shape))
+  echo(f"part 1 -- plan for the real target: one GPT-3 layer (hidden {cfg.hidden}, ffn "
+       f"{cfg.ffn}, {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}), fwd + bwd, on {chips} "
+       f"chips as a {mesh_shape[0]}x{mesh_shape[1]} mesh, profile {report.profile}")
+  echo(f"  {len(report.rewritten)} of {len(report.sites)} matmuls planned: "
+       + ", ".join(f"{n} x {k}" for k, n in sorted(plans.items()))
+       + f"; {len(report.left_alone)} left alone (attention einsums: nothing to "
+         "communicate)")
+  gain = report.baseline_seconds / report.predicted_seconds if report.predicted_seconds else 1
+  echo(f"  predicted time of those matmuls: {report.predicted_seconds * 1e3:.1f} ms vs "
+       f"{report.baseline_seconds * 1e3:.1f} ms with the plain collective algorithm "
+       f"({gain:.2f}x, cost model only; `python -m meshslice aot` shows what the TPU "
+       "compiler makes of it)")
+  return report
+
+
 def _time(fn, args_fn, repeats):
   out = fn(*args_fn())
   jax.block_until_ready(out)
@@ -166,20 +218,30 @@ def _time(fn, args_fn, repeats):
 
 
 def run_demo(mesh_shape=(2, 4), dtype="float32", explicit=False, repeats=5, echo=print,
-             **options):
-  """Transform the demo step, print the report, check it, time it. Returns max rel error.
+             target=(32, 8), **options):
+  """Plan at scale (`target` mesh, None to skip), then transform the small demo step,
+  print the report, check it, time it. Returns the max relative error.
 
   `options` go to `meshslice.transform` (e.g. ksplit=4, profile="cpu")."""
   from .transform import transform  # imported late: this module is also used standalone
+  if target is not None:
+    plan_at_scale(GPT3_LAYER, target, echo=echo,
+                  **{k: v for k, v in options.items() if k == "profile"})
+    echo("")
   cfg = ModelConfig(dtype=dtype)
   mesh = make_mesh(mesh_shape, explicit=explicit)
   step = make_step(cfg, mesh)
   fast = transform(step, **options)
   with jax.set_mesh(mesh):
     params, batch = place(cfg, mesh)
-    echo(f"demo: {cfg.layers}-layer GPT-style step, hidden {cfg.hidden}, ffn {cfg.ffn}, "
+    echo(f"part 2 -- check the numbers on this machine: {cfg.layers}-layer GPT-style step, "
+         f"hidden {cfg.hidden}, ffn {cfg.ffn}, "
          f"batch {cfg.batch}x{cfg.seq}, {dtype}, mesh {dict(mesh.shape)} "
          f"({'Explicit' if explicit else 'Auto'} axes), options {options or 'default'}")
+    if options.get("ksplit", 1) > 1:
+      echo(f"  slicing is forced (ksplit={options['ksplit']}) so that the sliced pipeline "
+           "runs here; at these sizes the cost model would not slice, and the 'pred us' "
+           "column says so")
     echo(str(fast.explain(params, batch)))
     copy = lambda: jax.tree.map(jnp.copy, params)
     ref_params, ref_loss = step(copy(), batch)
