@@ -600,41 +600,52 @@ class _Reader:
                 windowed_einsum=windowed)
 
   def condition_bound(self, caller: _Computation, instr: _Instr, cond: str) -> int | None:
-    """Trips of `while (i <dir> constant)`, counter starting at its initial constant or 0."""
+    """Trips of `while (i <dir> constant)` counting up by one: the counter starts at the
+    constant the loop's initial tuple gives it (when the condition compares a tuple
+    element of its parameter, directly), else at 0."""
     comp = self.comps.get(cond)
     if comp is None:
       return None
-    compares = [(comp, i) for i in comp.instrs.values() if i.opcode == "compare"]
-    for i in comp.instrs.values():
-      for name in _called(i).get("calls", []):
-        inner = self.comps.get(name)
-        if inner is not None:
-          compares += [(inner, j) for j in inner.instrs.values() if j.opcode == "compare"]
-    constants = {}
-    for c in (comp,) + tuple(self.comps[n] for i in comp.instrs.values()
-                             for n in _called(i).get("calls", []) if n in self.comps):
-      for j in c.instrs.values():
-        if j.opcode == "constant":
-          value = re.match(r"value=\((-?\d+)\)", j.attrs)
-          if value:
-            constants[(c.name, j.name)] = int(value.group(1))
-    for where, cmp in compares:
-      direction = re.search(r"direction=([A-Z]+)", cmp.attrs)
-      direction = direction.group(1) if direction else "LT"
-      values = [constants.get((where.name, o)) for o in cmp.operands]
-      if len(values) != 2 or (values[0] is None) == (values[1] is None):
-        continue
-      bound = values[1] if values[1] is not None else values[0]
-      if values[0] is not None:       # constant on the left: flip the comparison
-        direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
-      start = 0
-      if direction == "LT":
-        return max(0, bound - start)
-      if direction == "LE":
-        return max(0, bound - start + 1)
-      if direction == "NE":
-        return max(0, bound - start)
+    inner = [self.comps[n] for i in comp.instrs.values()
+             for n in _called(i).get("calls", []) if n in self.comps]
+    for where in [comp] + inner:
+      for cmp in (i for i in where.instrs.values() if i.opcode == "compare"):
+        values = [_int_constant(where.instrs.get(o)) for o in cmp.operands]
+        if len(values) != 2 or (values[0] is None) == (values[1] is None):
+          continue
+        direction = re.search(r"direction=([A-Z]+)", cmp.attrs)
+        direction = direction.group(1) if direction else "LT"
+        counter = cmp.operands[1] if values[0] is not None else cmp.operands[0]
+        if values[0] is not None:       # constant on the left: flip the comparison
+          direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction,
+                                                                          direction)
+        bound = values[1] if values[1] is not None else values[0]
+        start = self._initial_counter(caller, instr, where, counter) if where is comp else 0
+        if direction in ("LT", "NE"):
+          return max(0, bound - start)
+        if direction == "LE":
+          return max(0, bound - start + 1)
     return None
+
+  def _initial_counter(self, caller, instr, cond, counter) -> int:
+    """The initial value of tuple element `counter` reads, when the while's operand is a
+    tuple with a constant there; else 0."""
+    gte = cond.instrs.get(counter)
+    index = re.search(r"\bindex=(\d+)", gte.attrs) if gte is not None else None
+    if gte is None or gte.opcode != "get-tuple-element" or index is None:
+      return 0
+    init = caller.instrs.get(instr.operands[0]) if instr.operands else None
+    if init is None or init.opcode != "tuple" or int(index.group(1)) >= len(init.operands):
+      return 0
+    value = _int_constant(caller.instrs.get(init.operands[int(index.group(1))]))
+    return 0 if value is None else value
+
+
+def _int_constant(instr: _Instr | None) -> int | None:
+  if instr is None or instr.opcode != "constant":
+    return None
+  value = re.match(r"value=\((-?\d+)\)", instr.attrs)
+  return int(value.group(1)) if value else None
 
 
 def _renamed(op: Op, instr: _Instr) -> Op:

@@ -155,6 +155,11 @@ def test_loop_bound_from_condition_and_windowed_einsum():
   assert sim.step_s == pytest.approx(4 * (CP + 100 * US))
 
 
+def test_loop_counter_starting_at_its_initial_constant():
+  text = _loop_module().replace("%zero = s32[] constant(0)", "%zero = s32[] constant(1)")
+  assert ts.read_schedule(text).loops()[0].trip_count == 3      # i = 1, 2, 3
+
+
 def test_loop_known_trip_count_wins_over_the_condition():
   s = ts.read_schedule(_loop_module(
       ', backend_config={"known_trip_count":{"n":"7"},"known_init_step":{"init":"0"}}'))
