@@ -13,7 +13,7 @@ import json
 
 from .profiles import HardwareProfile, load_profile
 from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, lower_bound, predict,
-                     wang_ring_axis, why_invalid)
+                     site_memory, wang_ring_axis, why_invalid)
 
 # What the pass can emit today (meshslice.rewrites.ALGORITHMS); the default choice set.
 EMITTABLE = ("collective", "meshslice")
@@ -123,7 +123,7 @@ def valid_ksplits(problem: GemmProblem, dataflow: str, max_ksplit: int = 16,
 
 def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
               dataflows=DATAFLOWS, algorithms=EMITTABLE, max_ksplit: int = 16,
-              min_block: int = 1) -> Choice:
+              min_block: int = 1, memory_budget: float | None = None) -> Choice:
   """The fastest predicted (algorithm, dataflow, ksplit, options) for `problem`.
 
   Args:
@@ -133,6 +133,8 @@ def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
       written (collective, meshslice). Each algorithm tries its `variants` and every
       `valid_ksplits` value.
     max_ksplit, min_block: bounds on slicing (see `valid_ksplits`).
+    memory_budget: bytes per device the site's output and communication buffers may
+      take (`timing.site_memory`); candidates that need more are skipped. None: no limit.
 
   Candidates are tried in a fixed order (ALGORITHMS, DATAFLOWS, variants, ksplit
   ascending) and only a strictly faster one replaces the best so far, so ties go to the
@@ -154,7 +156,7 @@ def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
   algorithms = _check_choices(algorithms, ALGORITHMS, "algorithms")
   _check_positive(max_ksplit, "max_ksplit")
   _check_positive(min_block, "min_block")
-  best, reasons = None, {}
+  best, reasons, short = None, {}, {}
   for algorithm in (a for a in ALGORITHMS if a in algorithms):
     for dataflow in (d for d in DATAFLOWS if d in dataflows):
       for options in variants(problem, algorithm):
@@ -164,14 +166,27 @@ def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
           reason = why_invalid(problem, algorithm, dataflow, 1, **options)
           reasons.setdefault(f"{algorithm}/{dataflow}: {reason}", None)
         for ksplit in ksplits:
+          if memory_budget is not None:
+            need = site_memory(problem, algorithm, dataflow, ksplit, **options)
+            if need > memory_budget:
+              key = f"{algorithm}/{dataflow}"
+              short[key] = min(short.get(key, need), need)
+              continue
           cost = predict(problem, algorithm, dataflow, ksplit, profile, **options)
           if best is None or cost.total_s < best.cost.total_s:
             best = Choice(algorithm=algorithm, dataflow=dataflow, ksplit=ksplit,
                           options=tuple(sorted(options.items())), cost=cost, baseline=cost)
+  for key, need in short.items():
+    reasons.setdefault(f"{key}: needs at least {_gib(need)} of buffers, "
+                       f"{_gib(memory_budget)} free", None)
   if best is None:
     raise ValueError(f"no candidate can run {problem}: " + "; ".join(reasons))
   baseline = predict(problem, "collective", best.dataflow, 1, profile)
   return dataclasses.replace(best, baseline=baseline)
+
+
+def _gib(nbytes: float) -> str:
+  return f"{nbytes / 2**30:.1f} GiB"
 
 
 # ----------------------------------------------------------------------------- transformer
@@ -209,8 +224,41 @@ MODELS = {
 # (name, input width, output width) in multiples of the hidden size H.
 FF_LAYERS = (("qkv", 1, 3), ("attn_out", 1, 1), ("mlp_up", 1, 4), ("mlp_down", 4, 1))
 
-# With activations [tokens:r, hidden:c] and weights [in:r, out:c] (DESIGN.md section 4).
-PHASES = (("forward", "os"), ("backward_data", "ls"), ("backward_weight", "rs"))
+# A layer's weight layout fixes the dataflow of all three of its GEMMs. Activations are
+# [tokens:r, hidden:c] throughout (DESIGN.md section 4); the weight is W[in:r, out:c]
+# ("os": the forward matmul is output-stationary) or W[in:c, out:r] ("ls": the forward
+# matmul is lhs-stationary). Per phase: (phase, dataflow, (m, n, k) as a function of
+# tokens T, d_in, d_out).
+LAYOUTS = {
+    "os": (("forward", "os", lambda t, i, o: (t, o, i)),          # Y  = X . W
+           ("backward_data", "ls", lambda t, i, o: (t, i, o)),    # dX = dY . W^T
+           ("backward_weight", "rs", lambda t, i, o: (i, o, t))),  # dW = X^T . dY
+    "ls": (("forward", "ls", lambda t, i, o: (t, o, i)),          # Y  = X . W
+           ("backward_data", "os", lambda t, i, o: (t, i, o)),    # dX = dY . W^T
+           ("backward_weight", "rs", lambda t, i, o: (o, i, t))),  # dW^T = dY^T . X
+}
+
+# The default layout's phases (kept for callers that predate per-layer layouts).
+PHASES = tuple((phase, dataflow) for phase, dataflow, _ in LAYOUTS["os"])
+
+# How evaluate_mesh picks each layer's layout:
+#   model  every layout in LAYOUTS, the one with the lowest predicted time wins
+#   paper  the original autotuner's rule: os when the output is at least as wide as the
+#          input (d_out >= d_in), ls otherwise
+#   os     the forward matmul always output-stationary (the fixed per-phase dataflows)
+DATAFLOW_POLICIES = ("model", "paper", "os")
+
+
+def paper_layout(d_in: int, d_out: int) -> str:
+  """The original MeshSlice autotuner's dataflow rule for a layer d_in -> d_out (with
+  more tokens than either width): output-stationary when the output is the bigger
+  operand, lhs-stationary otherwise.
+
+  Example:
+    >>> paper_layout(12288, 49152), paper_layout(49152, 12288)
+    ('os', 'ls')
+  """
+  return "os" if d_out >= d_in else "ls"
 
 
 def model_spec(model: str | ModelSpec, *, heads: int | None = None,
@@ -242,7 +290,8 @@ def model_spec(model: str | ModelSpec, *, heads: int | None = None,
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LayerProblem:
-  """One GEMM of a transformer layer: which layer, which phase, its dataflow, its shape.
+  """One GEMM of a transformer layer: which layer, which phase, its dataflow, its shape,
+  and the layer's weight layout (`LAYOUTS`: "os" or "ls", the forward dataflow).
 
   Example:
     >>> transformer_problems("gpt3", 16, (4, 4))[-1].label
@@ -253,6 +302,7 @@ class LayerProblem:
   phase: str
   dataflow: str
   problem: GemmProblem
+  layout: str = "os"
 
   @property
   def label(self) -> str:
@@ -264,18 +314,40 @@ def _check_chips(chips):
     raise ValueError(f"chips must be a positive int, got {chips!r}")
 
 
+def _layouts_for(layouts) -> dict:
+  if layouts is None:
+    layouts = "os"
+  if isinstance(layouts, str):
+    layouts = {name: layouts for name, _, _ in FF_LAYERS}
+  out = {}
+  for name, _, _ in FF_LAYERS:
+    value = layouts.get(name, "os")
+    if value not in LAYOUTS:
+      raise ValueError(f"layout of layer {name!r} must be one of {tuple(LAYOUTS)}, "
+                       f"got {value!r}")
+    out[name] = value
+  unknown = set(layouts) - set(out)
+  if unknown:
+    raise ValueError(f"unknown layers {sorted(unknown)}; layers are "
+                     f"{[n for n, _, _ in FF_LAYERS]}")
+  return out
+
+
 def transformer_problems(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int], *,
                          batch: int | None = None, seq: int | None = None,
                          heads: int | None = None, head_dim: int | None = None,
-                         dtype_bytes: int = 2) -> tuple[LayerProblem, ...]:
+                         dtype_bytes: int = 2, layouts=None) -> tuple[LayerProblem, ...]:
   """The 12 feed-forward GEMMs of one transformer layer, forward and backward.
 
   For each of QKV (H -> 3H), attention-out (H -> H), MLP-up (H -> 4H) and MLP-down
-  (4H -> H), with T = batch * seq tokens and a layer d_in -> d_out:
+  (4H -> H), with T = batch * seq tokens and a layer d_in -> d_out, the layer's weight
+  layout (`layouts`: one of LAYOUTS for all layers, or a dict layer -> layout; default
+  "os") fixes the three GEMMs:
 
-    forward          Y  = X . W        m=T,    n=d_out, k=d_in    dataflow os
-    backward_data    dX = dY . W^T     m=T,    n=d_in,  k=d_out   dataflow ls
-    backward_weight  dW = X^T . dY     m=d_in, n=d_out, k=T       dataflow rs
+    layout os (W[in:r, out:c])                 layout ls (W[in:c, out:r])
+    forward          os  m=T,    n=d_out, k=d_in    ls  m=T,     n=d_out, k=d_in
+    backward_data    ls  m=T,    n=d_in,  k=d_out   os  m=T,     n=d_in,  k=d_out
+    backward_weight  rs  m=d_in, n=d_out, k=T       rs  m=d_out, n=d_in,  k=T  (dW^T)
 
   `batch` defaults to `chips` (one sequence per chip, as in the paper). The mesh's row
   axis uses profile dim 0 and its column axis profile dim 1.
@@ -284,6 +356,8 @@ def transformer_problems(model: str | ModelSpec, chips: int, mesh_shape: tuple[i
     >>> ps = transformer_problems("gpt3", 16, (4, 4))
     >>> len(ps), ps[0].label, ps[0].problem.m, ps[0].problem.n, ps[0].problem.k
     (12, 'qkv/forward', 32768, 36864, 12288)
+    >>> [lp.dataflow for lp in transformer_problems("gpt3", 16, (4, 4), layouts="ls")[:3]]
+    ['ls', 'os', 'rs']
   """
   spec = model_spec(model, heads=heads, head_dim=head_dim, seq=seq)
   _check_chips(chips)
@@ -294,18 +368,108 @@ def transformer_problems(model: str | ModelSpec, chips: int, mesh_shape: tuple[i
   batch = chips if batch is None else batch
   _check_positive(batch, "batch")
   _check_positive(dtype_bytes, "dtype_bytes")
+  chosen = _layouts_for(layouts)
   rows, cols = mesh_shape
   tokens, hidden = batch * spec.seq, spec.hidden
   out = []
   for layer, d_in, d_out in FF_LAYERS:
     d_in, d_out = d_in * hidden, d_out * hidden
-    shapes = {"os": (tokens, d_out, d_in), "ls": (tokens, d_in, d_out),
-              "rs": (d_in, d_out, tokens)}
-    for phase, dataflow in PHASES:
-      m, n, k = shapes[dataflow]
-      out.append(LayerProblem(layer=layer, phase=phase, dataflow=dataflow, problem=GemmProblem(
+    for phase, dataflow, shape in LAYOUTS[chosen[layer]]:
+      m, n, k = shape(tokens, d_in, d_out)
+      out.append(LayerProblem(layer=layer, phase=phase, dataflow=dataflow,
+                              layout=chosen[layer], problem=GemmProblem(
           m=m, n=n, k=k, rows=rows, cols=cols, in_bytes=dtype_bytes, out_bytes=dtype_bytes)))
   return tuple(out)
+
+
+# ----------------------------------------------------------------------------- memory
+
+# Bytes per parameter of mixed-precision Adam: bf16 weight and gradient (2 + 2), float32
+# master weight, first and second moments (4 + 4 + 4).
+ADAM_BYTES_PER_PARAM = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEstimate:
+  """Bytes per chip of a transformer training step on one mesh (see `transformer_memory`).
+
+  Attributes:
+    states: weights, gradients and optimizer state of the resident layers.
+    saved: activations kept for the backward pass (full rematerialisation: each
+      resident layer's input).
+    working: one layer's activations while it is recomputed and differentiated.
+    gemm: the largest output + communication buffers of one GEMM plan (filled in by
+      evaluate_mesh; `timing.site_memory`).
+    capacity: HBM per chip (0: unknown, nothing checked).
+
+  Example:
+    >>> m = transformer_memory("gpt3", 256, "tpu-v4")
+    >>> round(m.states / 2**30, 1), round(m.free_for_gemm / 2**30, 1)
+    (10.1, 16.0)
+  """
+
+  states: float
+  saved: float
+  working: float
+  capacity: float
+  gemm: float = 0.0
+  layers: int = 1
+
+  @property
+  def total(self) -> float:
+    return self.states + self.saved + self.working + self.gemm
+
+  @property
+  def free_for_gemm(self) -> float:
+    """Capacity left for one GEMM's buffers (inf when the capacity is unknown)."""
+    if not self.capacity:
+      return float("inf")
+    return self.capacity - self.states - self.saved - self.working
+
+  @property
+  def fits(self) -> bool:
+    return not self.capacity or self.total <= self.capacity
+
+  def describe(self) -> str:
+    return (f"{_gib(self.total)} per chip of {_gib(self.capacity)} (states "
+            f"{_gib(self.states)} and saved activations {_gib(self.saved)} for "
+            f"{self.layers} layers, working set {_gib(self.working)}, GEMM buffers "
+            f"{_gib(self.gemm)})")
+
+
+def transformer_memory(model: str | ModelSpec, chips: int, profile: HardwareProfile | str,
+                       *, batch: int | None = None, dtype_bytes: int = 2,
+                       memory_layers: int | None = None,
+                       bytes_per_param: int = ADAM_BYTES_PER_PARAM) -> MemoryEstimate:
+  """Per-chip memory of training `memory_layers` layers (default: all of the model's)
+  with 2D tensor parallelism over `chips` chips (everything sharded over all chips):
+
+    states   = 12 H^2 params per layer * bytes_per_param * layers / chips
+    saved    = T * H * dtype_bytes * layers / chips           (remat: layer inputs only)
+    working  = (14 T * H + batch * heads * seq^2) * dtype_bytes / chips
+               (one layer's activations: qkv 3H, attention output H, residual and norms
+                2H, MLP 4H + 4H; attention probabilities unfused)
+
+  with T = batch * seq tokens. The GEMM buffers come on top (evaluate_mesh).
+
+  Example:
+    >>> m = transformer_memory("megatron", 256, "tpu-v4")     # all 105 layers
+    >>> m.fits, round((m.states + m.saved) / 2**30, 1)
+    (False, 39.0)
+  """
+  spec = model_spec(model)
+  _check_chips(chips)
+  profile = load_profile(profile)
+  batch = chips if batch is None else batch
+  layers = spec.layers if memory_layers is None else memory_layers
+  _check_positive(layers, "memory_layers")
+  _check_positive(bytes_per_param, "bytes_per_param")
+  h, tokens = spec.hidden, batch * spec.seq
+  states = 12 * h * h * bytes_per_param * layers / chips
+  saved = tokens * h * dtype_bytes * layers / chips
+  working = (14 * tokens * h + batch * spec.heads * spec.seq ** 2) * dtype_bytes / chips
+  return MemoryEstimate(states=states, saved=saved, working=working,
+                        capacity=profile.hbm_capacity, layers=layers)
 
 
 def mesh_shapes(chips: int) -> tuple[tuple[int, int], ...]:
@@ -339,8 +503,13 @@ def mesh_shapes(chips: int) -> tuple[tuple[int, int], ...]:
 class LayerChoice:
   """The autotuner's pick for one transformer GEMM, with its perfect-overlap bound.
 
+  Attributes:
+    layout: the layer's weight layout ("os" / "ls", see LAYOUTS).
+    memory: bytes of output and communication buffers of the chosen plan.
+    baseline_memory: the same for the collective algorithm (what it would need).
+
   Example:
-    >>> r = evaluate_mesh("gpt3", 16, (4, 4), "tpu-v4")
+    >>> r = evaluate_mesh("gpt3", 16, (4, 4), "tpu-v4", check_memory=False)
     >>> lc = r.layers[0]
     >>> lc.label, lc.choice.dataflow, lc.bound.total_s <= lc.choice.cost.total_s
     ('qkv/forward', 'os', True)
@@ -351,6 +520,9 @@ class LayerChoice:
   problem: GemmProblem
   choice: Choice
   bound: Cost
+  layout: str = "os"
+  memory: float = 0.0
+  baseline_memory: float = 0.0
 
   @property
   def label(self) -> str:
@@ -361,14 +533,16 @@ class LayerChoice:
 class MeshResult:
   """One mesh shape: per-GEMM choices and their sums for one transformer layer.
 
-  `reason` is "" when the shape can run every GEMM; otherwise it says why not and the
-  costs are zero.
+  `reason` is "" when the shape can run every GEMM (and, when memory is checked, fits);
+  otherwise it says why not and the costs are zero. `memory` is the per-chip memory
+  estimate (None when not checked). `baseline_reason` says why the collective
+  algorithm could not run this shape ("" when it can), e.g. its buffers do not fit.
 
   Example:
     >>> r = evaluate_mesh(model_spec("custom", heads=3, head_dim=16, seq=128), 64, (2, 32),
     ...                   "tpu-v4")
     >>> r.feasible, r.reason.split(":")[0]
-    (False, 'qkv/forward')
+    (False, 'qkv')
   """
 
   shape: tuple[int, int]
@@ -377,10 +551,20 @@ class MeshResult:
   baseline: Cost = Cost()
   bound: Cost = Cost()
   reason: str = ""
+  memory: MemoryEstimate | None = None
+  baseline_reason: str = ""
 
   @property
   def feasible(self) -> bool:
     return not self.reason
+
+  @property
+  def layouts(self) -> dict:
+    """Layer -> chosen weight layout."""
+    return {lc.layer: lc.layout for lc in self.layers}
+
+
+NEAR_TIE = 0.02   # a runner-up within 2% of the best is a near tie
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -388,7 +572,9 @@ class MeshRecommendation:
   """`recommend_mesh`'s answer: every mesh shape evaluated, and the best one.
 
   Costs are per transformer layer (forward + backward of its 12 FF GEMMs); multiply
-  by `model.layers` for a training step.
+  by `model.layers` for a training step. `runner_up` is the second-fastest feasible
+  shape (None if there is none) and `margin` its relative extra time over the best
+  (runner-up / best - 1); `near_tie` when the margin is below NEAR_TIE.
 
   Example:
     >>> rec = recommend_mesh(16, model="custom", heads=8, head_dim=64, seq=256)
@@ -405,65 +591,181 @@ class MeshRecommendation:
   max_ksplit: int
   results: tuple[MeshResult, ...]
   best: MeshResult
+  dataflow_policy: str = "model"
+  assume: str = "ours"
 
   @property
   def best_shape(self) -> tuple[int, int]:
     return self.best.shape
 
+  @property
+  def runner_up(self) -> MeshResult | None:
+    others = [r for r in self.results if r.feasible and r is not self.best]
+    return min(others, key=lambda r: r.cost.total_s) if others else None
+
+  @property
+  def margin(self) -> float | None:
+    r = self.runner_up
+    if r is None or not self.best.cost.total_s:
+      return None
+    return r.cost.total_s / self.best.cost.total_s - 1
+
+  @property
+  def near_tie(self) -> bool:
+    return self.margin is not None and self.margin < NEAR_TIE
+
   def to_dict(self) -> dict:
-    """Plain JSON-able data (seconds for every cost), deterministic."""
+    """Plain JSON-able data (seconds for every cost, bytes for memory), deterministic."""
     def cost(c):
       return dataclasses.asdict(c)
 
     def result(r):
       return {"shape": list(r.shape), "feasible": r.feasible, "reason": r.reason,
+              "baseline_reason": r.baseline_reason,
               "cost": cost(r.cost), "baseline": cost(r.baseline), "bound": cost(r.bound),
-              "layers": [{"layer": lc.layer, "phase": lc.phase,
+              "memory": None if r.memory is None else dataclasses.asdict(r.memory),
+              "layers": [{"layer": lc.layer, "phase": lc.phase, "layout": lc.layout,
                           "problem": dataclasses.asdict(lc.problem),
                           "algorithm": lc.choice.algorithm, "dataflow": lc.choice.dataflow,
                           "ksplit": lc.choice.ksplit, "options": dict(lc.choice.options),
-                          "cost": cost(lc.choice.cost),
+                          "cost": cost(lc.choice.cost), "memory": lc.memory,
+                          "baseline_memory": lc.baseline_memory,
                           "baseline": cost(lc.choice.baseline), "bound": cost(lc.bound)}
                          for lc in r.layers]}
+    runner = self.runner_up
     return {"chips": self.chips, "model": dataclasses.asdict(self.model),
             "batch": self.batch, "dtype_bytes": self.dtype_bytes, "profile": self.profile,
             "algorithms": list(self.algorithms), "max_ksplit": self.max_ksplit,
-            "best_shape": list(self.best_shape), "results": [result(r) for r in self.results]}
+            "dataflow_policy": self.dataflow_policy, "assume": self.assume,
+            "best_shape": list(self.best_shape),
+            "runner_up": None if runner is None else list(runner.shape),
+            "margin": self.margin, "results": [result(r) for r in self.results]}
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def _check_policy(policy):
+  if policy not in DATAFLOW_POLICIES:
+    raise ValueError(f"dataflow_policy must be one of {DATAFLOW_POLICIES}, got {policy!r}")
+
+
 def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int],
                   profile: HardwareProfile | str, *, batch: int | None = None,
                   dtype_bytes: int = 2, algorithms=EMITTABLE, max_ksplit: int = 16,
-                  min_block: int = 1) -> MeshResult:
+                  min_block: int = 1, dataflow_policy: str = "model",
+                  check_memory: bool = True, memory_layers: int | None = None) -> MeshResult:
   """Autotune every FF GEMM of one transformer layer on one mesh shape.
 
-  Each GEMM keeps the dataflow its layout dictates (forward os, backward-data ls,
-  backward-weight rs); the autotuner picks algorithm and ksplit.
+  Each FF layer gets a weight layout (LAYOUTS; `dataflow_policy`: "model" tries every
+  layout and keeps the one whose three GEMMs are predicted fastest, "paper" applies the
+  original autotuner's rule `paper_layout`, "os" keeps the forward matmul output-
+  stationary); the layout fixes the dataflow of each GEMM and the autotuner picks
+  algorithm and ksplit per GEMM.
+
+  Memory (`check_memory`, when the profile has an hbm_capacity): `transformer_memory`
+  for `memory_layers` layers (default all of the model's) plus each GEMM plan's buffers
+  (`timing.site_memory`) must fit the chip; plans that do not fit are skipped, and a
+  shape on which some GEMM has no plan that fits is infeasible, with the reason.
+
+  The bound sums, per layer, the smallest over the allowed layouts of its three GEMMs'
+  perfect-overlap bounds (for the candidate `algorithms`).
 
   Example:
-    >>> r = evaluate_mesh("gpt3", 16, (4, 4), "tpu-v4")
+    >>> r = evaluate_mesh("gpt3", 16, (4, 4), "tpu-v4", check_memory=False)
     >>> len(r.layers), r.cost.total_s < r.baseline.total_s
     (12, True)
   """
   profile = load_profile(profile)
-  layers = []
-  for lp in transformer_problems(model, chips, mesh_shape, batch=batch,
-                                 dtype_bytes=dtype_bytes):
-    try:
-      choice = best_plan(lp.problem, profile, dataflows=(lp.dataflow,),
-                         algorithms=algorithms, max_ksplit=max_ksplit, min_block=min_block)
-    except ValueError as e:
-      return MeshResult(shape=tuple(mesh_shape), reason=f"{lp.label}: {e}")
-    layers.append(LayerChoice(layer=lp.layer, phase=lp.phase, problem=lp.problem,
-                              choice=choice, bound=lower_bound(lp.problem, profile,
-                                                               lp.dataflow)))
-  return MeshResult(shape=tuple(mesh_shape), layers=tuple(layers),
+  _check_policy(dataflow_policy)
+  spec = model_spec(model)
+  shape = tuple(mesh_shape)
+  batch = chips if batch is None else batch
+  memory = None
+  budget = None
+  if check_memory and profile.hbm_capacity:
+    memory = transformer_memory(spec, chips, profile, batch=batch, dtype_bytes=dtype_bytes,
+                                memory_layers=memory_layers)
+    budget = memory.free_for_gemm
+    if budget <= 0:
+      return MeshResult(shape=shape, memory=memory,
+                        reason=f"memory: {memory.describe()} leaves nothing for the GEMMs")
+  per_layout = {lay: transformer_problems(spec, chips, shape, batch=batch,
+                                          dtype_bytes=dtype_bytes, layouts=lay)
+                for lay in LAYOUTS}
+  layers, bound, baseline_reasons = [], Cost(), []
+  for index, (name, d_in, d_out) in enumerate(FF_LAYERS):
+    if dataflow_policy == "model":
+      options = tuple(LAYOUTS)
+    elif dataflow_policy == "paper":
+      options = (paper_layout(d_in, d_out),)
+    else:
+      options = ("os",)
+    best, failures, bounds = None, [], []
+    for lay in options:
+      picks = []
+      for lp in per_layout[lay][3 * index:3 * index + 3]:
+        try:
+          choice = best_plan(lp.problem, profile, dataflows=(lp.dataflow,),
+                             algorithms=algorithms, max_ksplit=max_ksplit,
+                             min_block=min_block, memory_budget=budget)
+        except ValueError as e:
+          failures.append(f"{lp.label} ({lay} layout): {e}")
+          break
+        base_need = (site_memory(lp.problem, "collective", lp.dataflow, 1)
+                     if not why_invalid(lp.problem, "collective", lp.dataflow, 1) else 0.0)
+        picks.append(LayerChoice(
+            layer=lp.layer, phase=lp.phase, problem=lp.problem, choice=choice, layout=lay,
+            bound=lower_bound(lp.problem, profile, lp.dataflow, algorithms),
+            memory=site_memory(lp.problem, choice.algorithm, choice.dataflow, choice.ksplit,
+                               **dict(choice.options)),
+            baseline_memory=base_need))
+      else:
+        total = sum(pc.choice.cost.total_s for pc in picks)
+        bounds.append(sum((pc.bound for pc in picks), Cost()))
+        if best is None or total < best[0]:   # ties keep the earlier layout (os)
+          best = (total, picks)
+    if best is None:
+      return MeshResult(shape=shape, memory=memory,
+                        reason=f"{name}: " + "; ".join(failures))
+    layers += best[1]
+    bound = bound + min(bounds, key=lambda c: c.total_s)
+  if budget is not None:
+    memory = dataclasses.replace(memory, gemm=max(lc.memory for lc in layers))
+    for lc in layers:
+      if lc.baseline_memory > budget:
+        baseline_reasons.append(f"{lc.label}: the collective algorithm needs "
+                                f"{_gib(lc.baseline_memory)} of buffers, "
+                                f"{_gib(budget)} free")
+  return MeshResult(shape=shape, layers=tuple(layers),
                     cost=sum((lc.choice.cost for lc in layers), Cost()),
                     baseline=sum((lc.choice.baseline for lc in layers), Cost()),
-                    bound=sum((lc.bound for lc in layers), Cost()))
+                    bound=bound, memory=memory, baseline_reason="; ".join(baseline_reasons))
+
+
+ASSUMPTIONS = ("ours", "paper")
+
+
+def paper_assumptions(profile: HardwareProfile | str = "tpu-v4") -> HardwareProfile:
+  """The original MeshSlice autotuner's assumptions on top of `profile` (its collective
+  numbers are kept): matmuls at 2.66e14 FLOP/s (the constant the original passes to its
+  mesh) at full efficiency, no HBM roofline, no per-op overhead, no memory limit. Use
+  with dataflow_policy="paper". Only TPU v4 was calibrated by the original authors.
+
+  Example:
+    >>> p = paper_assumptions()
+    >>> p.peak_flops, p.gemm.max_efficiency, p.hbm_bandwidth, p.hbm_capacity
+    (266000000000000.0, 1.0, 0.0, 0.0)
+  """
+  profile = load_profile(profile)
+  if profile.name != "tpu-v4":
+    raise ValueError(f"the paper's assumptions exist for tpu-v4 only (its authors "
+                     f"calibrated TPU v4), got profile {profile.name!r}")
+  return dataclasses.replace(
+      profile, name="tpu-v4-paper", peak_flops=2.66e14,
+      gemm=dataclasses.replace(profile.gemm, max_efficiency=1.0),
+      hbm_bandwidth=0.0, hbm_capacity=0.0, op_overhead=0.0,
+      description="tpu-v4 with the original MeshSlice autotuner's assumptions")
 
 
 def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
@@ -471,9 +773,15 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
                    seq: int | None = None, heads: int | None = None,
                    head_dim: int | None = None, layers: int | None = None,
                    dtype_bytes: int = 2, algorithms=EMITTABLE, max_ksplit: int = 16,
-                   min_block: int = 1) -> MeshRecommendation:
+                   min_block: int = 1, dataflow_policy: str | None = None,
+                   check_memory: bool = True, memory_layers: int | None = None,
+                   assume: str = "ours") -> MeshRecommendation:
   """Evaluate every 2D mesh shape of `chips` (see `mesh_shapes`) for the FF GEMMs of
-  `model` and pick the fastest (ties: the smaller R).
+  `model` and pick the fastest feasible one (ties: the smaller R).
+
+  assume: "ours" (the profile as given; dataflow_policy default "model") or "paper"
+  (`paper_assumptions(profile)`, dataflow_policy default "paper", memory not checked).
+  See `evaluate_mesh` for dataflow_policy, check_memory and memory_layers.
 
   Raises:
     ValueError: chips not a positive int or with no 2D mesh shape; bad model or
@@ -484,14 +792,23 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
     >>> [r.shape for r in rec.results], rec.best_shape
     ([(2, 8), (4, 4), (8, 2)], (4, 4))
   """
+  if assume not in ASSUMPTIONS:
+    raise ValueError(f"assume must be one of {ASSUMPTIONS}, got {assume!r}")
   spec = model_spec(model, heads=heads, head_dim=head_dim, seq=seq, layers=layers)
   shapes = mesh_shapes(chips)
   profile = load_profile(profile)
+  if assume == "paper":
+    profile = paper_assumptions(profile)
+    dataflow_policy = dataflow_policy or "paper"
+  dataflow_policy = dataflow_policy or "model"
+  _check_policy(dataflow_policy)
   algorithms = _check_choices(algorithms, ALGORITHMS, "algorithms")
   batch = chips if batch is None else batch
   results = tuple(evaluate_mesh(spec, chips, shape, profile, batch=batch,
                                 dtype_bytes=dtype_bytes, algorithms=algorithms,
-                                max_ksplit=max_ksplit, min_block=min_block)
+                                max_ksplit=max_ksplit, min_block=min_block,
+                                dataflow_policy=dataflow_policy, check_memory=check_memory,
+                                memory_layers=memory_layers)
                   for shape in shapes)
   feasible = [r for r in results if r.feasible]
   if not feasible:
@@ -501,4 +818,5 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
   best = min(feasible, key=lambda r: r.cost.total_s)   # min keeps the first of equals
   return MeshRecommendation(chips=chips, model=spec, batch=batch, dtype_bytes=dtype_bytes,
                             profile=profile.name, algorithms=algorithms,
-                            max_ksplit=max_ksplit, results=results, best=best)
+                            max_ksplit=max_ksplit, results=results, best=best,
+                            dataflow_policy=dataflow_policy, assume=assume)

@@ -40,6 +40,20 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--algorithms", default=",".join(A.EMITTABLE),
                  help=f"comma-separated candidates from {', '.join(ALGORITHMS)}, or 'all' "
                       f"(default: what the pass emits)")
+  p.add_argument("--assume", default="ours", choices=A.ASSUMPTIONS,
+                 help="ours: the profile as shipped (roofline, op overheads, memory), "
+                      "layouts chosen by predicted time; paper: the original MeshSlice "
+                      "autotuner's assumptions (tpu-v4 only: 2.66e14 FLOP/s at full "
+                      "efficiency, no roofline or memory limit, its dataflow rule)")
+  p.add_argument("--dataflow-policy", default=None, choices=A.DATAFLOW_POLICIES,
+                 help="how each FF layer's weight layout (forward dataflow) is chosen: "
+                      "model (by predicted time; default), paper (os if d_out >= d_in, "
+                      "else ls; default with --assume paper), os (always os)")
+  p.add_argument("--no-memory-check", action="store_true",
+                 help="do not exclude plans and shapes that exceed the chip's HBM")
+  p.add_argument("--memory-layers", type=int, default=None,
+                 help="layers whose weights, optimizer state and saved activations live "
+                      "on these chips (default: all of the model's)")
   p.add_argument("--max-ksplit", type=int, default=16)
   p.add_argument("--min-block", type=int, default=1)
   p.add_argument("--best-only", action="store_true",
@@ -69,11 +83,12 @@ def _layer_table(result) -> list[str]:
   rows = []
   for lc in result.layers:
     c, p = lc.choice, lc.problem
-    rows.append([lc.label, c.dataflow, c.label, c.ksplit, f"{p.m}x{p.n}x{p.k}",
+    rows.append([lc.label, c.dataflow, c.label, c.ksplit, lc.layout, f"{p.m}x{p.n}x{p.k}",
                  _ms(c.cost.total_s), _ms(c.baseline.total_s), _ratio(c.baseline.total_s,
                                                                        c.cost.total_s),
                  _ms(c.cost.exposed_comm_s), _ms(lc.bound.total_s)])
-  return _table(rows, ["gemm", "dataflow", "algorithm", "ksplit", "m x n x k", "predicted",
+  return _table(rows, ["gemm", "dataflow", "algorithm", "ksplit", "layout", "m x n x k",
+                       "predicted",
                        "collective", "speedup", "exposed comm", "bound"])
 
 
@@ -84,23 +99,38 @@ def render(rec: A.MeshRecommendation, *, best_only: bool = False) -> str:
            f"seq {m.seq}, {m.layers} layers), {rec.chips} chips, batch {rec.batch}, "
            f"{rec.dtype_bytes}-byte elements, profile {rec.profile}",
            f"candidates: {', '.join(rec.algorithms)} (ksplit <= {rec.max_ksplit}); "
-           f"times per transformer layer (12 FF GEMMs, forward + backward)", ""]
+           f"times per transformer layer (12 FF GEMMs, forward + backward)",
+           f"assumptions: {rec.assume}; layouts chosen by: {rec.dataflow_policy}", ""]
   rows = []
   for r in rec.results:
+    mem = "-" if r.memory is None else f"{r.memory.total / 2**30:.1f} GiB"
     if r.feasible:
       rows.append([str(r.shape), "*" if r is rec.best else "", _ms(r.cost.total_s),
-                   _ms(r.baseline.total_s), _ratio(r.baseline.total_s, r.cost.total_s),
-                   _ms(r.bound.total_s), f"+{(r.cost.total_s / r.bound.total_s - 1) * 100:.1f}%"])
+                   _ms(r.baseline.total_s) + ("!" if r.baseline_reason else ""),
+                   _ratio(r.baseline.total_s, r.cost.total_s),
+                   _ms(r.bound.total_s), f"+{(r.cost.total_s / r.bound.total_s - 1) * 100:.1f}%",
+                   mem, ""])
     else:
-      rows.append([str(r.shape), "", "infeasible", "", "", "", r.reason])
+      rows.append([str(r.shape), "", "infeasible", "", "", "", "", mem, r.reason])
   lines += _table(rows, ["mesh shape", "best", "predicted", "collective", "speedup", "bound",
-                         "gap to bound"])
+                         "gap to bound", "memory", ""])
+  if any(r.baseline_reason for r in rec.results if r.feasible):
+    lines += ["", "! the collective algorithm does not fit in memory on this shape:"]
+    lines += [f"  {r.shape}: {r.baseline_reason}" for r in rec.results
+              if r.feasible and r.baseline_reason]
   for r in rec.results:
     if r.feasible and (r is rec.best or not best_only):
       lines += ["", f"mesh shape {r.shape}{' (best)' if r is rec.best else ''}:"]
       lines += ["  " + line for line in _layer_table(r)]
   b = rec.best
-  lines += ["", f"best mesh shape: {b.shape}: {_ms(b.cost.total_s)} per layer, "
+  runner = rec.runner_up
+  if runner is not None:
+    tie = " (near tie: within 2%, inside the model's error)" if rec.near_tie else ""
+    lines += ["", f"runner-up: {runner.shape}: {_ms(runner.cost.total_s)} per layer, "
+                  f"+{rec.margin * 100:.2f}% over the best{tie}"]
+  else:
+    lines += [""]
+  lines += [f"best mesh shape: {b.shape}: {_ms(b.cost.total_s)} per layer, "
                 f"{b.cost.total_s * m.layers:.4f} s per step of {m.layers} layers "
                 f"(collective on the same shape: {b.baseline.total_s * m.layers:.4f} s, "
                 f"{_ratio(b.baseline.total_s, b.cost.total_s)})"]
@@ -125,7 +155,10 @@ def main(argv=None) -> int:
                            seq=args.seq, heads=args.heads, head_dim=args.head_dim,
                            layers=args.layers, dtype_bytes=args.dtype_bytes,
                            algorithms=algorithms, max_ksplit=args.max_ksplit,
-                           min_block=args.min_block)
+                           min_block=args.min_block, assume=args.assume,
+                           dataflow_policy=args.dataflow_policy,
+                           check_memory=not args.no_memory_check,
+                           memory_layers=args.memory_layers)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

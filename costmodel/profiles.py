@@ -13,6 +13,13 @@ Units (also written into every JSON file under "units"):
   gemm_efficiency.max_efficiency  fraction of peak_flops a large matmul reaches (0, 1]
   gemm_efficiency.m_sat/n_sat/k_sat  local matmul extent (elements) at which that dim
                                   stops costing efficiency
+  hbm_bandwidth                   bytes/s per chip between HBM and the cores (roofline
+                                  term of every local matmul and relayout copy; 0: ignored)
+  hbm_capacity                    bytes of HBM per chip (memory feasibility; 0: unknown)
+  op_overhead                     seconds of fixed cost per local op (matmul launch, tail
+                                  of a pipeline step, relayout copy)
+  sources                         where each number comes from (public documents, papers,
+                                  measurements), free text
 
 where <collective> is all_gather, reduce_scatter or permute (one send/recv hop).
 
@@ -50,7 +57,13 @@ UNITS = {
     "max_efficiency": "fraction of peak_flops, in (0, 1]",
     "m_sat/n_sat/k_sat": "elements of the local matmul dim at which efficiency saturates",
     "efficiency": "max_efficiency * min(1, m/m_sat) * min(1, n/n_sat) * min(1, k/k_sat)",
+    "hbm_bandwidth": "bytes/s per chip (0: no memory roofline)",
+    "hbm_capacity": "bytes per chip (0: unknown, memory not checked)",
+    "op_overhead": "seconds per local op (matmul slice, relayout copy)",
 }
+
+# Optional scalar fields (absent in older files): name -> default.
+_OPTIONAL = {"hbm_bandwidth": 0.0, "hbm_capacity": 0.0, "op_overhead": 0.0}
 
 
 def _check_number(value, where: str, *, positive: bool, at_most: float | None = None):
@@ -139,11 +152,16 @@ class HardwareProfile:
     overlap: whether communication can run beside computation on this hardware (False
       for the CPU backend, whose collectives are synchronous): without it every
       schedule's streams run one after another, so slicing only adds overheads.
+    hbm_bandwidth: bytes/s per chip of HBM; every local matmul takes at least its HBM
+      bytes / hbm_bandwidth (0: no roofline term).
+    hbm_capacity: bytes of HBM per chip (0: unknown; memory feasibility not checked).
+    op_overhead: fixed seconds per local op (each matmul slice, each relayout copy).
+    sources: where the numbers come from, one entry per fact.
 
   Example:
     >>> p = load_profile("tpu-v4")
     >>> p.peak_flops, p.all_gather.bandwidth
-    (266000000000000.0, (27472000000.0, 79751000000.0))
+    (275000000000000.0, (27472000000.0, 79751000000.0))
     >>> p.collective("reduce_scatter").base_overhead[0]
     2.6e-05
   """
@@ -156,6 +174,10 @@ class HardwareProfile:
   gemm: GemmEfficiency
   description: str = ""
   overlap: bool = True
+  hbm_bandwidth: float = 0.0
+  hbm_capacity: float = 0.0
+  op_overhead: float = 0.0
+  sources: tuple[str, ...] = ()
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -169,6 +191,12 @@ class HardwareProfile:
         raise ValueError(f"field {kind!r} must be a CollectiveParams")
     if not isinstance(self.gemm, GemmEfficiency):
       raise ValueError("field 'gemm' must be a GemmEfficiency")
+    for key in _OPTIONAL:
+      _check_number(getattr(self, key), key, positive=False)
+      object.__setattr__(self, key, float(getattr(self, key)))
+    if isinstance(self.sources, str) or not all(isinstance(x, str) for x in self.sources):
+      raise ValueError(f"field 'sources' must be a list of strings, got {self.sources!r}")
+    object.__setattr__(self, "sources", tuple(self.sources))
 
   def collective(self, kind: str) -> CollectiveParams:
     """The parameters of `kind` ("all_gather", "reduce_scatter" or "permute")."""
@@ -191,6 +219,8 @@ class HardwareProfile:
                             "m_sat": self.gemm.m_sat, "n_sat": self.gemm.n_sat,
                             "k_sat": self.gemm.k_sat},
         "overlap": self.overlap,
+        **{key: getattr(self, key) for key in _OPTIONAL},
+        "sources": list(self.sources),
     }
 
 
@@ -237,8 +267,16 @@ def profile_from_json_dict(data) -> HardwareProfile:
   overlap = data.get("overlap", True)      # optional: older files predate it
   if not isinstance(overlap, bool):
     raise ValueError(f"field 'overlap' must be true or false, got {overlap!r}")
+  extra = {}
+  for key, default in _OPTIONAL.items():      # optional: older files predate them
+    extra[key] = data.get(key, default)
+    _check_number(extra[key], key, positive=False)
+  sources = data.get("sources", [])
+  if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
+    raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
   return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
-                         description=description, overlap=overlap, **params)
+                         description=description, overlap=overlap, sources=tuple(sources),
+                         **extra, **params)
 
 
 def _builtin_dir():
@@ -329,7 +367,7 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> None:
   """
   text = json.dumps(profile.to_json_dict(), indent=2)
   # Keep each [dim 0, dim 1] pair on one line: the files are meant to be read and edited.
-  text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]",
+  text = re.sub(r"\[\s+([-0-9.eE+,\s]*?)\s+\]",
                 lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text)
   with open(path, "w", encoding="utf-8") as f:
     f.write(text + "\n")

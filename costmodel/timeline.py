@@ -34,8 +34,8 @@ def trace_events(schedules: Iterable[Schedule | tuple[str, Schedule]], *, pid: i
     ...              "os", 2, "tpu-v4")
     >>> events = trace_events([("qkv/forward", s)])
     >>> sorted({e["ph"] for e in events}), [e["name"] for e in events if e["tid"] == 0
-    ...                                     and e["ph"] == "X"]
-    (['M', 'X'], ['matmul[0]', 'matmul[1]'])
+    ...                                     and e["ph"] == "X"][:3]
+    (['M', 'X'], ['matmul[0]', 'relayout X slice[0]', 'relayout W slice[0]'])
   """
   items = [(f"site {i}", s) if isinstance(s, Schedule) else s for i, s in enumerate(schedules)]
   events = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,

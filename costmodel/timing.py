@@ -251,19 +251,51 @@ def all_reduce_time(profile: HardwareProfile, dim: int, n: int, nbytes: float) -
           + collective_time(profile, "all_gather", dim, n, nbytes / n))
 
 
-def gemm_time(profile: HardwareProfile, m: float, n: float, k: float, batch: int = 1) -> float:
-  """Seconds of one local matmul: 2 * batch * m * n * k / (peak * efficiency(m, n, k)).
+def gemm_time(profile: HardwareProfile, m: float, n: float, k: float, batch: int = 1, *,
+              in_bytes: int = 2, out_bytes: int = 2, accumulate: bool = False) -> float:
+  """Seconds of one local matmul: a roofline plus a fixed cost per op,
+
+      max(2 * batch * m * n * k / (peak * efficiency(m, n, k)),  hbm_bytes / hbm_bandwidth)
+        + op_overhead
+
+  hbm_bytes = batch * ((m * k + k * n) * in_bytes + m * n * y_bytes): each input read
+  once, the output written once (y_bytes = out_bytes), or, when the matmul adds into a
+  float32 partial sum that lives in HBM (`accumulate`: a slice of a sliced contraction,
+  or a partial sum received from a neighbour), read and written (y_bytes = 4 + 4).
+  The memory term is left out when the profile has no hbm_bandwidth (0).
 
   Batch dims multiply the work but do not improve efficiency (conservative).
 
   Example:
-    >>> p = load_profile("tpu-v4")       # efficiency 1 once every dim reaches 256
-    >>> round(gemm_time(p, 1330, 1000, 1000) * 1e6, 9)   # 2.66e9 FLOP at 2.66e14 FLOP/s
-    10.0
+    >>> p = load_profile("cpu")          # no HBM term, no op overhead: FLOPs / (peak * eff)
+    >>> round(gemm_time(p, 1000, 1000, 1000) * 1e3, 9)    # 2e9 FLOP at 0.5 * 5e10 FLOP/s
+    80.0
+    >>> v4 = load_profile("tpu-v4")     # 2.75e14 * 0.92 FLOP/s, 1.2e12 B/s, 3.5 us per op
+    >>> round(gemm_time(v4, 8192, 8192, 8192) * 1e3, 3)                  # compute bound
+    4.349
+    >>> round(gemm_time(v4, 8192, 8192, 256, accumulate=True) * 1e6, 1)  # HBM bound
+    457.9
   """
   if m <= 0 or n <= 0 or k <= 0:
     return 0.0
-  return 2.0 * batch * m * n * k / (profile.peak_flops * profile.gemm(m, n, k))
+  compute = 2.0 * batch * m * n * k / (profile.peak_flops * profile.gemm(m, n, k))
+  if profile.hbm_bandwidth > 0:
+    y_bytes = 8 if accumulate else out_bytes
+    moved = batch * ((m * k + k * n) * in_bytes + m * n * y_bytes)
+    compute = max(compute, moved / profile.hbm_bandwidth)
+  return compute + profile.op_overhead
+
+
+def copy_time(profile: HardwareProfile, nbytes: float) -> float:
+  """A relayout copy of nbytes in HBM (read + write): 2 * nbytes / hbm_bandwidth +
+  op_overhead (just op_overhead without an HBM bandwidth).
+
+  Example:
+    >>> round(copy_time(load_profile("tpu-v4"), 12e6) * 1e6, 1)     # 24 MB at 1.2e12 + 3.5
+    23.5
+  """
+  moved = 2.0 * nbytes / profile.hbm_bandwidth if profile.hbm_bandwidth > 0 else 0.0
+  return moved + profile.op_overhead
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -368,9 +400,12 @@ def _sliced_shape(p: GemmProblem, dataflow: str, parts: float) -> tuple[float, f
           "rs": (lm / parts, ln, lk)}[dataflow]
 
 
-def _matmul(p, profile, dataflow, parts, count=1) -> Op:
-  """`count` back-to-back local matmuls with the communicated dim cut into `parts`."""
-  seconds = count * gemm_time(profile, *_sliced_shape(p, dataflow, parts), batch=p.batch)
+def _matmul(p, profile, dataflow, parts, count=1, accumulate=False) -> Op:
+  """`count` back-to-back local matmuls with the communicated dim cut into `parts`;
+  `accumulate`: each adds into a float32 partial sum held in HBM."""
+  seconds = count * gemm_time(profile, *_sliced_shape(p, dataflow, parts), batch=p.batch,
+                              in_bytes=p.in_bytes, out_bytes=p.out_bytes,
+                              accumulate=accumulate)
   return Op(stream="compute", name="matmul" if count == 1 else f"{count} matmuls",
             seconds=seconds)
 
@@ -381,20 +416,22 @@ def _stages(*runs) -> list[Stage]:
           if repeat > 0 and ops]
 
 
-def _pipeline(steps, compute: Op, ahead=(), behind=(), *, prologue=True, epilogue=True):
-  """A software pipeline of `steps` equal matmuls.
+def _pipeline(steps, compute, ahead=(), behind=(), *, prologue=True, epilogue=True):
+  """A software pipeline of `steps` equal matmuls (`compute`: one Op, or a list of the
+  compute-stream ops of one step).
 
   ahead: the ops that bring in one step's operands (those of step s+1 run beside step s;
   step 0's in a prologue). behind: the ops that ship one step's result (step s's run
   beside step s+1; the last step's in an epilogue).
   """
   ahead, behind = list(ahead), list(behind)
+  compute = list(compute) if isinstance(compute, (list, tuple)) else [compute]
   if steps == 1:
-    return _stages((prologue, ahead), (1, [compute]), (epilogue, behind))
+    return _stages((prologue, ahead), (1, compute), (epilogue, behind))
   return _stages((prologue, ahead),
-                 (1, [compute] + ahead),
-                 (steps - 2, [compute] + ahead + behind),
-                 (1, [compute] + behind),
+                 (1, compute + ahead),
+                 (steps - 2, compute + ahead + behind),
+                 (1, compute + behind),
                  (epilogue, behind))
 
 
@@ -429,14 +466,27 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   hop latencies. For os: total = prologue + (S-1) * max(comm_slice, compute_slice) +
   compute_slice, comm_slice being the slower of the two links. For ls / rs the
   all-gather (one link) and the reduce-scatter (the other link) of a step overlap.
+
+  With S > 1 the compute stream of a step also carries (as the TPU compiler schedules
+  it) one relayout copy per communicated slice: a block-cyclic slice arrives device-
+  major and is transposed into the matmul's layout (gathered slice), or a partial-sum
+  slice is put in device-major order before its reduce-scatter (`copy_time`); and for
+  os every slice's matmul adds into the float32 accumulator in HBM (`gemm_time` with
+  accumulate). S = 1 is the collective algorithm exactly.
   """
   mv = _movements(p, dataflow)
   ahead = [op for v in mv if v.kind == "all_gather"
            for op in _collective_ops(profile, v, ksplit, f"all_gather {v.matrix} slice")]
   behind = [op for v in mv if v.kind == "reduce_scatter"
             for op in _collective_ops(profile, v, ksplit, f"reduce_scatter {v.matrix} slice")]
-  return (_pipeline(ksplit, _matmul(p, profile, dataflow, ksplit), ahead, behind),
-          f"{ksplit} slices")
+  compute = [_matmul(p, profile, dataflow, ksplit, accumulate=dataflow == "os" and ksplit > 1)]
+  if ksplit > 1:
+    for v in mv:
+      if v.size > 1:
+        t = copy_time(profile, v.shard_bytes * v.size / ksplit)
+        if t > 0:
+          compute.append(Op(stream="compute", name=f"relayout {v.matrix} slice", seconds=t))
+  return (_pipeline(ksplit, compute, ahead, behind), f"{ksplit} slices")
 
 
 @_algorithm("collective")
@@ -467,7 +517,8 @@ def _summa(p, dataflow, ksplit, profile):
                seconds=all_reduce_time(profile, v.dim, v.size, v.shard_bytes * v.size / panels))
             for v in _movements(p, dataflow) if v.kind == kind and v.size > 1]
 
-  return (_pipeline(panels, _matmul(p, profile, dataflow, panels),
+  mm = _matmul(p, profile, dataflow, panels, accumulate=dataflow == "os" and panels > 1)
+  return (_pipeline(panels, mm,
                     panel_ops("all_gather", "broadcast"), panel_ops("reduce_scatter", "reduce")),
           f"{panels} panels")
 
@@ -504,7 +555,9 @@ def _cannon(p, dataflow, ksplit, profile):
   home = [Op(stream=v.link, name=f"unskew {v.matrix} partial",
              seconds=permute_time(profile, v.dim, v.shard_bytes / s, hops=far))
           for v in partial]
-  mm = _matmul(p, profile, dataflow, q * s)
+  # os adds each chunk's product into the f32 accumulator; ls / rs add into the partial
+  # sum that arrived from the neighbour.
+  mm = _matmul(p, profile, dataflow, q * s, accumulate=q * s > 1)
   steady = (q - 1) * s          # stages that still shift the moving chunks
   if not partial:
     stages = _stages((1, skew), (steady, [mm] + shift), (s, [mm]))
@@ -550,7 +603,10 @@ def _wang(p, dataflow, ksplit, profile, ring=None, bidirectional=False):
   other = next(v for v in mv if v.link != which)
   n, s = ring_mv.size, ksplit
   ways = 2 if bidirectional else 1
-  mm = _matmul(p, profile, dataflow, n * s * ways, count=ways)
+  # a ring of the contracted dim (os) or of partial sums (a reduce-scatter ring) adds
+  # each chunk's product into a float32 partial sum
+  accumulate = n * s * ways > 1 and (dataflow == "os" or ring_mv.kind == "reduce_scatter")
+  mm = _matmul(p, profile, dataflow, n * s * ways, count=ways, accumulate=accumulate)
   send = ([Op(stream=which, name=f"pass {ring_mv.matrix} chunk" if ring_mv.kind == "all_gather"
               else f"pass {ring_mv.matrix} partial",
               seconds=permute_time(profile, ring_mv.dim, ring_mv.shard_bytes / (s * ways)))]
@@ -650,9 +706,12 @@ def schedule(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int,
     >>> s = schedule(p, "meshslice", "ls", 4, "tpu-v4")
     >>> [([op.name for op in st.ops], st.repeat)
     ...  for st in s.stages]                     # doctest: +NORMALIZE_WHITESPACE
-    [(['all_gather W slice'], 1), (['matmul', 'all_gather W slice'], 1),
-     (['matmul', 'all_gather W slice', 'reduce_scatter Y slice'], 2),
-     (['matmul', 'reduce_scatter Y slice'], 1), (['reduce_scatter Y slice'], 1)]
+    [(['all_gather W slice'], 1),
+     (['matmul', 'relayout W slice', 'relayout Y slice', 'all_gather W slice'], 1),
+     (['matmul', 'relayout W slice', 'relayout Y slice', 'all_gather W slice',
+       'reduce_scatter Y slice'], 2),
+     (['matmul', 'relayout W slice', 'relayout Y slice', 'reduce_scatter Y slice'], 1),
+     (['reduce_scatter Y slice'], 1)]
 
   Raises:
     ValueError: the combination cannot run the problem (see `why_invalid`).
@@ -714,16 +773,41 @@ def predict(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int,
   return schedule(problem, algorithm, dataflow, ksplit, profile, **options).cost()
 
 
-def lower_bound(problem: GemmProblem, profile: HardwareProfile | str,
-                dataflow: str | None = None) -> Cost:
-  """Perfect-overlap bound: max(compute, communication), for `dataflow` or (None) the
-  best of the three.
+def _bound_bandwidth(profile: HardwareProfile, v: _Movement, algorithms) -> float:
+  """The best bandwidth any of `algorithms` reaches for movement `v` (see lower_bound)."""
+  own = profile.collective(v.kind).bandwidth[v.dim]
+  candidates = []
+  if {"collective", "meshslice"} & set(algorithms):
+    candidates.append(own)
+  if "summa" in algorithms:        # masked psums: a reduce-scatter and an all-gather
+    candidates.append(max(profile.all_gather.bandwidth[v.dim],
+                          profile.reduce_scatter.bandwidth[v.dim]))
+  if "cannon" in algorithms:       # one-hop sends, one direction
+    candidates.append(profile.permute.bandwidth[v.dim])
+  if "wang" in algorithms:         # either axis: its collective, or a ring of sends that
+    candidates += [own, 2 * profile.permute.bandwidth[v.dim]]   # may use both directions
+  return max(candidates)
 
-  compute: the unsliced local matmul at its efficiency. communication: per link, the
-  bytes the 2D dataflow must receive there, (n - 1) * shard, at the best bandwidth any
-  primitive reaches on that profile dim (the collective's, or send/recv in both
-  directions at once: 2 x permute bandwidth), with no latency or overhead; the two
-  links overlap, so the slower one counts. No modelled algorithm beats it.
+
+def lower_bound(problem: GemmProblem, profile: HardwareProfile | str,
+                dataflow: str | None = None, algorithms=ALGORITHMS) -> Cost:
+  """Perfect-overlap bound: max(compute, communication), for `dataflow` or (None) the
+  best of the three, valid for every schedule of `algorithms` (default: all modelled).
+
+  compute: the unsliced local matmul (`gemm_time`: roofline and one op overhead); every
+  schedule runs at least that work, those bytes and one op. communication: per link,
+  the bytes the dataflow must receive there, (n - 1) * shard, at the best bandwidth any
+  of `algorithms` reaches on that link, with no latency or overhead:
+
+      collective, meshslice   the movement's own collective (all-gather or reduce-scatter)
+      summa                   the better of all-gather and reduce-scatter (its psums)
+      cannon                  send/recv (one direction)
+      wang                    the movement's collective, or 2 x send/recv (a
+                              bidirectional ring on that axis)
+
+  The two links overlap, so the slower one counts. So the bound for the algorithms the
+  pass emits (collective, meshslice) uses collective bandwidths only, and a bound over
+  all algorithms credits the bidirectional send/recv ring only because wang can use it.
 
   Example:
     >>> prof = load_profile("tpu-v4")
@@ -733,16 +817,77 @@ def lower_bound(problem: GemmProblem, profile: HardwareProfile | str,
     True
     >>> bound.total_s <= predict(p, "meshslice", "os", 8, prof).total_s
     True
+    >>> emitted = lower_bound(p, prof, "os", algorithms=("collective", "meshslice"))
+    >>> emitted.comm_s >= bound.comm_s
+    True
   """
   profile = load_profile(profile)
+  algorithms = tuple(algorithms)
+  for a in algorithms:
+    if a not in ALGORITHMS:
+      raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {a!r}")
+  if not algorithms:
+    raise ValueError(f"algorithms must not be empty; choose from {ALGORITHMS}")
   if dataflow is None:
-    bounds = [lower_bound(problem, profile, d) for d in DATAFLOWS]
+    bounds = [lower_bound(problem, profile, d, algorithms) for d in DATAFLOWS]
     return min(bounds, key=lambda c: c.total_s)
-  compute = gemm_time(profile, *problem.local_shape(_dataflow(dataflow)), batch=problem.batch)
+  compute = gemm_time(profile, *problem.local_shape(_dataflow(dataflow)), batch=problem.batch,
+                      in_bytes=problem.in_bytes, out_bytes=problem.out_bytes)
   links = {"row": 0.0, "col": 0.0}
   for v in _movements(problem, dataflow):
-    bw = max(profile.collective(v.kind).bandwidth[v.dim], 2 * profile.permute.bandwidth[v.dim])
-    links[v.link] += (v.size - 1) * v.shard_bytes / bw
+    links[v.link] += (v.size - 1) * v.shard_bytes / _bound_bandwidth(profile, v, algorithms)
   comm = max(links.values())
   total = max(compute, comm)
   return Cost(compute_s=compute, comm_s=comm, exposed_comm_s=total - compute, total_s=total)
+
+
+def site_memory(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int,
+                **options) -> float:
+  """Bytes per device a site needs beyond its input shards: its output (or float32
+  accumulator) and the communication buffers of `algorithm`:
+
+      collective  each gathered operand whole (shard * n), or the whole partial output
+                  before its reduce-scatter (Y shard * n)
+      meshslice   S = 1: as collective; S > 1: per moved matrix 3 slices of shard * n / S
+                  (the one in use, the one arriving, the relayout copy)
+      summa       per moved matrix 2 panels of shard * n / (S * lcm(R, C))
+      cannon      per moved matrix 2 chunks of shard / S (in use, arriving)
+      wang        ring axis: 2 chunks of shard / S; other axis: as collective
+
+  The output is the Y shard (batch * m/R * n/C) at out_bytes, or at 4 bytes when the
+  schedule accumulates in float32 (os sliced, cannon, a reduce-scatter ring).
+
+  Example:
+    >>> p = GemmProblem(m=524288, n=81920, k=20480, rows=2, cols=128)   # Megatron bwd-data
+    >>> round(site_memory(p, "collective", "ls", 1) / 2**30, 1)         # partial Y whole
+    40.3
+    >>> round(site_memory(p, "meshslice", "ls", 16) / 2**30, 1)
+    7.8
+  """
+  reason = why_invalid(problem, algorithm, dataflow, ksplit, **options)
+  if reason:
+    raise ValueError(reason)
+  mv = _movements(problem, dataflow)
+  y_shard = problem.batch * problem.m / problem.rows * problem.n / problem.cols
+  accumulate = ((algorithm in ("meshslice", "summa") and dataflow == "os" and ksplit > 1)
+                or algorithm == "cannon")
+  buffers = 0.0
+  for v in mv:
+    if v.size <= 1:
+      continue
+    whole = v.shard_bytes * v.size
+    if algorithm == "collective" or (algorithm == "meshslice" and ksplit == 1):
+      buffers += whole
+    elif algorithm == "meshslice":
+      buffers += 3 * whole / ksplit
+    elif algorithm == "summa":
+      buffers += 2 * whole / (ksplit * problem.lcm)
+    elif algorithm == "cannon":
+      buffers += 2 * v.shard_bytes / ksplit
+    else:   # wang
+      if v.link == wang_ring_axis(problem, options.get("ring")):
+        buffers += 2 * v.shard_bytes / ksplit
+        accumulate = accumulate or dataflow == "os" or v.kind == "reduce_scatter"
+      else:
+        buffers += whole
+  return y_shard * (4 if accumulate else problem.out_bytes) + buffers

@@ -17,10 +17,12 @@ def test_autotune_small_config(capsys):
   assert lines[0] == ("autotune: custom (hidden 512 = 8 heads x 64, seq 256, 1 layers), "
                       "16 chips, batch 16, 2-byte elements, profile tpu-v4")
   assert lines[1].startswith("candidates: collective, meshslice (ksplit <= 16)")
+  assert lines[2] == "assumptions: ours; layouts chosen by: model"
   # summary table: one row per mesh shape, the best one starred
-  header = lines[3].split()
+  header = lines[4].split()
   assert header[:3] == ["mesh", "shape", "best"] and "collective" in header
-  rows = {line.split(")")[0] + ")": line for line in lines[4:7]}
+  assert header[-1] == "memory"
+  rows = {line.split(")")[0] + ")": line for line in lines[5:8]}
   assert list(rows) == ["(2, 8)", "(4, 4)", "(8, 2)"]
   assert rows[str(rec.best_shape)].split(")")[1].split()[0] == "*"
   # one per-GEMM table per mesh shape, 12 GEMMs each, with dataflow/algorithm/ksplit

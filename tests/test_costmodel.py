@@ -367,7 +367,7 @@ def test_recommend_mesh_reports_infeasible_shapes():
   rec = recommend_mesh(64, model="custom", heads=3, head_dim=16, seq=128)
   bad = {r.shape: r.reason for r in rec.results if not r.feasible}
   assert set(bad) == {(2, 32), (32, 2)}
-  assert "qkv/forward: no candidate can run" in bad[(2, 32)]
+  assert bad[(2, 32)].startswith("qkv: qkv/forward (os layout): no candidate can run")
   assert rec.best.feasible
 
 
@@ -386,7 +386,12 @@ def test_shipped_profiles_load_and_round_trip(tmp_path):
 
 def test_tpu_v4_is_the_published_calibration():
   p = load_profile("tpu-v4")
-  assert p.peak_flops == 2.66e14
+  # public numbers: 275 TFLOP/s bf16, 1.2e12 B/s and 32 GiB of HBM
+  assert (p.peak_flops, p.hbm_bandwidth, p.hbm_capacity) == (2.75e14, 1.2e12, 32 * 2**30)
+  # the original's assumptions are available on top of it
+  paper = autotune.paper_assumptions(p)
+  assert (paper.peak_flops, paper.gemm.max_efficiency, paper.hbm_bandwidth) == (2.66e14, 1.0, 0)
+  assert paper.all_gather == p.all_gather
   assert p.all_gather == CollectiveParams(bandwidth=(27.472e9, 79.751e9),
                                           hop_latency=_pair(5e-6), base_overhead=_pair(13e-6))
   assert p.reduce_scatter == CollectiveParams(bandwidth=(37.506e9, 63.167e9),
