@@ -79,3 +79,39 @@ def test_autotune_1024_chips_is_fast(capsys):
   out = capsys.readouterr().out
   assert out.count("mesh shape (") == 9   # (2, 512) ... (512, 2)
   assert "best mesh shape: (" in out
+
+
+def test_autotune_shows_runner_up_memory_and_assumptions(capsys):
+  assert main(["autotune", "--model", "gpt3", "--chips", "256", "--memory-layers", "1",
+               "--best-only"]) == 0
+  out = capsys.readouterr().out
+  rec = recommend_mesh(256, model="gpt3", memory_layers=1)
+  runner = rec.runner_up
+  assert (f"runner-up: {runner.shape}: {runner.cost.total_s * 1e3:.3f} ms per layer, "
+          f"+{rec.margin * 100:.2f}% over the best") in out
+  assert "GiB" in out.split("mesh shape (")[0]           # memory column of the summary
+  # the per-GEMM table names each GEMM's layout; mlp_down runs lhs-stationary forward
+  assert any(line.split()[:5] == ["mlp_down/forward", "ls", "meshslice", "16", "ls"]
+             for line in out.splitlines())
+  assert main(["autotune", "--model", "gpt3", "--chips", "256", "--assume", "paper",
+               "--best-only"]) == 0
+  out = capsys.readouterr().out
+  assert "assumptions: paper; layouts chosen by: paper" in out
+  assert "profile tpu-v4-paper" in out.splitlines()[0]
+  assert out.splitlines()[-1].startswith("best mesh shape: (32, 8)")
+
+
+def test_autotune_marks_near_ties_and_reports_memory_errors(capsys):
+  # GPT-3 on 64 chips: (16, 4) and (8, 8) are within 2% of each other
+  assert main(["autotune", "--model", "gpt3", "--chips", "64", "--no-memory-check",
+               "--best-only"]) == 0
+  out = capsys.readouterr().out
+  assert "(near tie: within 2%" in out
+  assert main(["autotune", "--model", "megatron", "--chips", "256"]) == 2
+  err = capsys.readouterr().err
+  assert "memory: " in err and "for 105 layers" in err
+  assert main(["autotune", "--model", "megatron", "--chips", "256", "--dataflow-policy", "os",
+               "--memory-layers", "1", "--best-only"]) == 0
+  out = capsys.readouterr().out
+  assert "! the collective algorithm does not fit in memory on this shape:" in out
+  assert "(2, 128): mlp_down/forward: the collective algorithm needs" in out

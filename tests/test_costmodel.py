@@ -7,8 +7,8 @@ import json
 import pytest
 
 from meshslice.costmodel import autotune, profiles, timeline, timing
-from meshslice.costmodel.autotune import (Choice, best_plan, mesh_shapes, model_spec,
-                                          recommend_mesh, transformer_problems,
+from meshslice.costmodel.autotune import (Choice, best_plan, evaluate_mesh, mesh_shapes,
+                                          model_spec, recommend_mesh, transformer_problems,
                                           valid_ksplits, variants)
 from meshslice.costmodel.profiles import (CollectiveParams, GemmEfficiency, HardwareProfile,
                                           known_profiles, load_profile, save_profile)
@@ -471,3 +471,252 @@ def test_trace_events_follow_the_schedule(tmp_path):
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+# ------------------------------------------------------------------ issue 10: dataflow per layer
+
+def _phase_total(model, chips, shape, profile, layout, layer):
+  problems = [lp for lp in transformer_problems(model, chips, shape, layouts=layout)
+              if lp.layer == layer]
+  return sum(best_plan(lp.problem, profile, dataflows=(lp.dataflow,)).cost.total_s
+             for lp in problems)
+
+
+def test_layouts_fix_the_dataflow_of_each_phase():
+  h, t = 12288, 16 * 2048
+  ls = {lp.label: (lp.dataflow, lp.layout, lp.problem.m, lp.problem.n, lp.problem.k)
+        for lp in transformer_problems("gpt3", 16, (4, 4), layouts={"mlp_down": "ls"})}
+  assert ls["mlp_down/forward"] == ("ls", "ls", t, h, 4 * h)
+  assert ls["mlp_down/backward_data"] == ("os", "ls", t, 4 * h, h)
+  assert ls["mlp_down/backward_weight"] == ("rs", "ls", h, 4 * h, t)     # dW^T
+  assert ls["mlp_up/forward"][:2] == ("os", "os")
+  with pytest.raises(ValueError, match="layout of layer 'qkv' must be one of"):
+    transformer_problems("gpt3", 16, (4, 4), layouts={"qkv": "rs"})
+  with pytest.raises(ValueError, match=r"unknown layers \['mlp'\]"):
+    transformer_problems("gpt3", 16, (4, 4), layouts={"mlp": "ls"})
+
+
+def test_ls_beats_os_on_mlp_down_and_os_beats_ls_on_mlp_up():
+  # GPT-3 at (32, 8): forcing OS on mlp_down gathers the 4H-wide activation.
+  paper = autotune.paper_assumptions()
+  assert _phase_total("gpt3", 256, (32, 8), paper, "os", "mlp_down") * 1e3 == (
+      pytest.approx(62.8, abs=0.05))
+  assert _phase_total("gpt3", 256, (32, 8), paper, "ls", "mlp_down") * 1e3 == (
+      pytest.approx(30.1, abs=0.05))
+  for profile in (paper, "tpu-v4"):
+    assert (_phase_total("gpt3", 256, (32, 8), profile, "ls", "mlp_down")
+            < _phase_total("gpt3", 256, (32, 8), profile, "os", "mlp_down"))
+    assert (_phase_total("gpt3", 256, (32, 8), profile, "os", "mlp_up")
+            < _phase_total("gpt3", 256, (32, 8), profile, "ls", "mlp_up"))
+  chosen = evaluate_mesh("gpt3", 256, (32, 8), "tpu-v4", check_memory=False)
+  assert chosen.layouts["mlp_down"] == "ls" and chosen.layouts["mlp_up"] == "os"
+  assert {lc.label: lc.choice.dataflow for lc in chosen.layers}["mlp_down/forward"] == "ls"
+  fixed = evaluate_mesh("gpt3", 256, (32, 8), "tpu-v4", check_memory=False,
+                        dataflow_policy="os")
+  assert set(fixed.layouts.values()) == {"os"}
+  assert chosen.cost.total_s < 0.9 * fixed.cost.total_s
+  # the paper's rule agrees with the model here
+  rule = evaluate_mesh("gpt3", 256, (32, 8), "tpu-v4", check_memory=False,
+                       dataflow_policy="paper")
+  assert rule.layouts == chosen.layouts == {"qkv": "os", "attn_out": "os", "mlp_up": "os",
+                                            "mlp_down": "ls"}
+  with pytest.raises(ValueError, match="dataflow_policy must be one of"):
+    evaluate_mesh("gpt3", 256, (32, 8), "tpu-v4", dataflow_policy="best")
+
+
+def test_paper_assumptions_reproduce_the_original_choice():
+  # The original autotuner's README: GPT-3 on 256 TPU v4 chips -> (32, 8), os/ls per layer.
+  rec = recommend_mesh(256, model="gpt3", assume="paper")
+  assert rec.best_shape == (32, 8) and rec.dataflow_policy == "paper"
+  assert rec.best.memory is None and rec.profile == "tpu-v4-paper"
+  assert rec.best.layouts["mlp_down"] == "ls"
+  with pytest.raises(ValueError, match="the paper's assumptions exist for tpu-v4 only"):
+    recommend_mesh(256, model="gpt3", assume="paper", profile="tpu-v5p")
+  with pytest.raises(ValueError, match="assume must be one of"):
+    recommend_mesh(256, assume="mine")
+
+
+def test_runner_up_and_margin():
+  rec = recommend_mesh(256, model="gpt3", memory_layers=1)
+  runner = rec.runner_up
+  assert runner is not None and runner is not rec.best and runner.feasible
+  assert runner.cost.total_s == min(r.cost.total_s for r in rec.results
+                                    if r.feasible and r is not rec.best)
+  assert rec.margin == pytest.approx(runner.cost.total_s / rec.best.cost.total_s - 1)
+  assert rec.near_tie == (rec.margin < autotune.NEAR_TIE)
+  data = rec.to_dict()
+  assert data["runner_up"] == list(runner.shape) and data["margin"] == rec.margin
+
+
+# ------------------------------------------------------------------ issue 10: compute model
+
+HBM = dataclasses.replace(PROF, hbm_bandwidth=1e10, op_overhead=1e-5)
+
+
+def test_gemm_roofline_accumulation_and_op_overhead_by_hand():
+  # (1000, 1000, 4000): 8e9 FLOP at 1e12 = 8e-3 s; bytes (4e6 + 4e6) * 2 + 1e6 * 2 = 18e6
+  # at 1e10 = 1.8e-3 s: compute bound, plus 1e-5 per op
+  assert gemm_time(HBM, 1000, 1000, 4000) == approx(8e-3 + 1e-5)
+  # a thin slice of k = 100 adding into an f32 accumulator: 2e8 FLOP = 2e-4 s, but
+  # (1e5 + 1e5) * 2 + 1e6 * 8 = 8.4e6 B at 1e10 = 8.4e-4 s: memory bound
+  assert gemm_time(HBM, 1000, 1000, 100, accumulate=True) == approx(8.4e-4 + 1e-5)
+  assert timing.copy_time(HBM, 1e6) == approx(2e-4 + 1e-5)
+  # without an HBM bandwidth the old formula holds
+  assert gemm_time(PROF, 1000, 1000, 100, accumulate=True) == approx(2e-4)
+
+
+def test_meshslice_os_with_relayouts_and_accumulation_by_hand():
+  # OS example (X 2e6 B over col n=4, W 4e6 B over row n=2), S = 2:
+  # matmul slice (1000, 1000, 2000): 4e-3 FLOP-bound (bytes 2e6*2... < 4e-3 * 1e10) + 1e-5
+  # relayout X slice: gathered 2e6 * 4 / 2 = 4e6 B -> 2 * 4e6 / 1e10 + 1e-5 = 8.1e-4
+  # relayout W slice: 4e6 * 2 / 2 = 4e6 B -> 8.1e-4
+  # comm slice (W, row) 2.011e-3; per step compute = 4.01e-3 + 1.62e-3 = 5.63e-3
+  c = predict(OS, "meshslice", "os", 2, HBM)
+  assert c.total_s == approx(2.011e-3 + 2 * 5.63e-3)
+  # S = 1 (= collective): no relayouts, no accumulation, one op overhead
+  assert predict(OS, "meshslice", "os", 1, HBM) == predict(OS, "collective", "os", 1, HBM)
+  assert predict(OS, "collective", "os", 1, HBM).compute_s == approx(8e-3 + 1e-5)
+
+
+def test_ksplit_is_chosen_by_the_model_not_the_cap():
+  # Megatron-NLG on 256 TPU v4 chips: with the original's assumptions (free slicing) the
+  # slice count runs into any cap; with ours it stops where the f32 accumulation
+  # traffic (os) and per-slice overheads outweigh the shorter prologue.
+  def ksplits(profile, cap, policy="model"):
+    r = evaluate_mesh("megatron", 256, (32, 8), profile, max_ksplit=cap, check_memory=False,
+                      dataflow_policy=policy)
+    return {lc.label: lc.choice.ksplit for lc in r.layers}, r.layouts
+
+  ours64, layouts64 = ksplits("tpu-v4", 64)
+  assert max(ours64.values()) < 64
+  assert ksplits("tpu-v4", 128) == (ours64, layouts64)
+  assert ksplits("tpu-v4", 16)[1] == layouts64
+  assert all(s <= 20 for label, s in ours64.items()
+             if {lc.label: lc.dataflow for lc in transformer_problems(
+                 "megatron", 256, (32, 8), layouts=layouts64)}[label] == "os")
+  paper64, _ = ksplits(autotune.paper_assumptions(), 64, "paper")
+  assert 64 in paper64.values()
+  for cap in (16, 64):
+    assert recommend_mesh(256, model="megatron", max_ksplit=cap,
+                          memory_layers=1).best_shape == (32, 8)
+
+
+# ------------------------------------------------------------------ issue 10: profiles
+
+def test_profiles_have_public_numbers_and_sources():
+  gib = 2**30
+  expect = {"tpu-v4": (2.75e14, 1.2e12, 32 * gib), "tpu-v5e": (1.97e14, 8.19e11, 16 * gib),
+            "tpu-v5p": (4.59e14, 2.765e12, 95 * gib), "tpu-v6e": (9.18e14, 1.64e12, 32 * gib),
+            "h100": (9.89e14, 3.35e12, 80e9)}
+  for name, (peak, hbm, capacity) in expect.items():
+    p = load_profile(name)
+    assert (p.peak_flops, p.hbm_bandwidth, p.hbm_capacity) == (peak, hbm, capacity), name
+    assert p.sources and all(isinstance(s, str) and s for s in p.sources), name
+    assert p.op_overhead > 0
+  # derived TPU profiles: link bandwidth (5e10 v5e, 1e11 v5p / v6e) times the efficiencies
+  # the v4 calibration shows on its dim 1 (2 x 0.886 all-gather, 2 x 0.702 reduce-scatter,
+  # 0.783 send/recv), and the v4 latencies / overheads
+  v4 = load_profile("tpu-v4")
+  for name, link in (("tpu-v5e", 5e10), ("tpu-v5p", 1e11), ("tpu-v6e", 1e11)):
+    p = load_profile(name)
+    assert p.all_gather.bandwidth == _pair(round(2 * link * 0.886, -6))
+    assert p.reduce_scatter.bandwidth == _pair(round(2 * link * 0.702, -6))
+    assert p.permute.bandwidth == _pair(round(link * 0.783, -6))
+    for kind in ("all_gather", "reduce_scatter", "permute"):
+      assert p.collective(kind).hop_latency == _pair(v4.collective(kind).hop_latency[1])
+      assert p.collective(kind).base_overhead == v4.collective(kind).base_overhead
+  assert v4.all_gather.bandwidth[1] == pytest.approx(2 * 4.5e10 * 0.886, rel=1e-3)
+
+
+def test_profile_optional_fields_validate_and_default(tmp_path):
+  data = load_profile("tpu-v4").to_json_dict()
+  for key in ("hbm_bandwidth", "hbm_capacity", "op_overhead", "sources"):
+    data.pop(key)
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps(data))
+  old = load_profile(path)
+  assert (old.hbm_bandwidth, old.hbm_capacity, old.op_overhead, old.sources) == (0, 0, 0, ())
+  data["sources"] = "a string"
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="field 'sources' must be a list of strings"):
+    load_profile(path)
+  data["sources"], data["hbm_bandwidth"] = ["x, y,z"], -1
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="field 'hbm_bandwidth' must be >= 0"):
+    load_profile(path)
+  # sources with commas survive a save / load round trip unchanged
+  p = dataclasses.replace(load_profile("tpu-v4"), sources=("a,b", "c, d"))
+  save_profile(p, tmp_path / "s.json")
+  assert load_profile(tmp_path / "s.json").sources == ("a,b", "c, d")
+
+
+# ------------------------------------------------------------------ issue 10: lower bound
+
+WIDE = dataclasses.replace(HBM, gemm=GemmEfficiency(max_efficiency=0.8, m_sat=64, n_sat=64,
+                                                    k_sat=64))
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("profile", [PROF, WIDE, "tpu-v4", "tpu-v5e", "h100"])
+def test_lower_bound_holds_for_each_algorithm_alone(problem, profile):
+  for algorithm in ALGORITHMS:
+    for dataflow in DATAFLOWS:
+      bound = lower_bound(problem, profile, dataflow, algorithms=(algorithm,)).total_s
+      for options in variants(problem, algorithm):
+        for ksplit in (1, 2, 4, 8):
+          if why_invalid(problem, algorithm, dataflow, ksplit, **options):
+            continue
+          cost = predict(problem, algorithm, dataflow, ksplit, profile, **options)
+          assert cost.total_s >= bound * (1 - 1e-12), (algorithm, dataflow, ksplit, options)
+
+
+def test_lower_bound_of_the_emitted_algorithms_by_hand():
+  # collective / meshslice only: collective bandwidths (no 2 x send/recv credit)
+  # col link: 3 * 2e6 B at 2e9 = 3e-3; row link: 4e6 B at 1e9 = 4e-3; compute 8e-3
+  b = lower_bound(OS, PROF, "os", algorithms=("collective", "meshslice"))
+  assert (b.comm_s, b.compute_s) == (approx(4e-3), approx(8e-3))
+  # with wang allowed, a bidirectional ring of sends reaches 2 x 2e9 on the row link
+  assert lower_bound(OS, PROF, "os").comm_s == approx(1e-3)
+  # GPT-3 on (32, 8): the bound of what the pass emits is tighter than the all-algorithm one
+  r = evaluate_mesh("gpt3", 256, (32, 8), "tpu-v4", check_memory=False)
+  loose = sum(lower_bound(lc.problem, "tpu-v4", lc.choice.dataflow).total_s
+              for lc in r.layers)
+  assert loose <= r.bound.total_s <= r.cost.total_s
+  with pytest.raises(ValueError, match="algorithm must be one of"):
+    lower_bound(OS, PROF, "os", algorithms=("fox",))
+
+
+# ------------------------------------------------------------------ issue 10: memory
+
+def test_site_memory_by_hand():
+  p = GemmProblem(m=2000, n=4000, k=4000, rows=2, cols=4, in_bytes=2, out_bytes=4)
+  # os: Y shard 1000 x 1000; collective: X 2e6 * 4 + W 4e6 * 2 gathered whole, Y at 4 B
+  assert timing.site_memory(p, "collective", "os", 1) == 8e6 + 8e6 + 4e6
+  # meshslice S = 4: 3 slices of each gathered operand (8e6 / 4 each), f32 accumulator
+  assert timing.site_memory(p, "meshslice", "os", 4) == 3 * 2e6 + 3 * 2e6 + 4e6
+  # ls collective: W gathered (4e6 * 2) and the whole partial Y (4e6 * 4) before its RS
+  assert timing.site_memory(p, "collective", "ls", 1) == 8e6 + 16e6 + 4e6
+
+
+def test_memory_excludes_plans_and_shapes():
+  # Megatron-NLG on (2, 128) v4 chips, one layer resident, forward os everywhere: the
+  # collective algorithm's partial sums of mlp_down need ~40 GiB, more than is free.
+  r = evaluate_mesh("megatron", 256, (2, 128), "tpu-v4", dataflow_policy="os",
+                    memory_layers=1)
+  assert r.feasible          # sliced plans fit ...
+  assert "mlp_down/backward_data: the collective algorithm needs 40.3 GiB" in r.baseline_reason
+  assert all(lc.memory <= r.memory.free_for_gemm for lc in r.layers)
+  only = evaluate_mesh("megatron", 256, (2, 128), "tpu-v4", dataflow_policy="os",
+                       memory_layers=1, algorithms=("collective",))
+  assert not only.feasible   # ... the collective alone does not
+  assert "collective/os: needs at least 40.1 GiB of buffers, 29.3 GiB free" in only.reason
+  assert evaluate_mesh("megatron", 256, (16, 16), "tpu-v4", dataflow_policy="os",
+                       memory_layers=1, algorithms=("collective",)).feasible
+  # all 105 layers of Megatron-NLG do not fit on 256 v4 chips at any shape
+  with pytest.raises(ValueError, match=r"states 30\.8 GiB and saved activations 8\.2 GiB "
+                                       r"for 105 layers"):
+    recommend_mesh(256, model="megatron")
+  # but they do on 256 v5p chips (95 GiB)
+  assert recommend_mesh(256, model="megatron", profile="tpu-v5p").best.memory.fits
+  # no capacity known, or checking off: nothing excluded
+  assert recommend_mesh(256, model="megatron", check_memory=False).best.memory is None
