@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry
-from .slicing import assemble_slices, pipeline_barrier, take_slice
+from .slicing import assemble_slices, pipeline_barrier, take_slices
 
 
 def accumulation_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
@@ -99,23 +99,28 @@ def _gather(x, axis, dim):
 
 def _output_stationary(g: GemmGeometry, ksplit, block, lhs, rhs):
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
+  # every slice is cut up front (one pass over each operand, see slicing.take_slices);
+  # the slices not yet gathered travel through the barriers, so the gather of slice s+1
+  # still depends on step s and the S gathers stay S collectives
+  xs, ws = (take_slices(lhs, g.lhs_dim, ksplit, block),
+            take_slices(rhs, g.rhs_dim, ksplit, block))
 
-  def gather(x, w, s):
-    xs = _gather(take_slice(x, g.lhs_dim, ksplit, block, s), g.col_axis, g.lhs_dim)
-    ws = _gather(take_slice(w, g.rhs_dim, ksplit, block, s), g.row_axis, g.rhs_dim)
-    return xs, ws
+  def gather(s):
+    return _gather(xs[s], g.col_axis, g.lhs_dim), _gather(ws[s], g.row_axis, g.rhs_dim)
 
-  x, w = lhs, rhs
-  x_cur, w_cur = gather(x, w, 0)
+  x_cur, w_cur = gather(0)
   acc = None
   for s in range(ksplit):
     last = s + 1 == ksplit
     if not last:
-      x_next, w_next = gather(x, w, s + 1)
+      x_next, w_next = gather(s + 1)
+    # the partial sum accumulates in the dot's f32 output (XLA fuses the add into it)
     part = _local_dot(g, x_cur, w_cur, acc_dtype)
     acc = part if acc is None else acc + part
     if not last:
-      x, w, x_cur, w_cur, acc = pipeline_barrier((x, w, x_next, w_next, acc))
+      x_rest, w_rest, x_cur, w_cur, acc = pipeline_barrier(
+          (xs[s + 2:], ws[s + 2:], x_next, w_next, acc))
+      xs, ws = xs[:s + 2] + x_rest, ws[:s + 2] + w_rest
   return _finish(g, acc, lhs, rhs)
 
 
@@ -130,8 +135,7 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
     moving, move_dim, gather_axis, scatter_axis = rhs, g.rhs_dim, g.row_axis, g.col_axis
 
   def gather(m, s):
-    return lax.all_gather(take_slice(m, move_dim, ksplit, block, s), gather_axis,
-                          axis=move_dim, tiled=True)
+    return lax.all_gather(m[s], gather_axis, axis=move_dim, tiled=True)
 
   def multiply(m_slice):
     a, b = (m_slice, rhs) if moving_is_lhs else (lhs, m_slice)
@@ -140,7 +144,7 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   def scatter(partial):
     return lax.psum_scatter(partial, scatter_axis, scatter_dimension=g.out_dim, tiled=True)
 
-  m = moving
+  m = take_slices(moving, move_dim, ksplit, block)     # all at once, as in OS
   m_cur = gather(m, 0)
   pieces, pending = [], None
   for s in range(ksplit):
@@ -152,9 +156,10 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
     part = multiply(m_cur)
     if not last:
       if pieces:
-        m, m_cur, part, pieces[-1] = pipeline_barrier((m, m_next, part, pieces[-1]))
+        rest, m_cur, part, pieces[-1] = pipeline_barrier((m[s + 2:], m_next, part, pieces[-1]))
       else:
-        m, m_cur, part = pipeline_barrier((m, m_next, part))
+        rest, m_cur, part = pipeline_barrier((m[s + 2:], m_next, part))
+      m = m[:s + 2] + rest
     pending = part
   pieces.append(scatter(pending))
   out = assemble_slices(pieces, g.out_dim, block)

@@ -25,15 +25,40 @@ def take_slice(x, axis: int, ksplit: int, block: int, index: int):
   """
   if ksplit == 1:
     return x
-  length = x.shape[axis]
-  view = x.reshape(x.shape[:axis] + (length // (ksplit * block), ksplit, block)
-                   + x.shape[axis + 1:])
-  piece = lax.index_in_dim(view, index, axis=axis + 1, keepdims=False)
-  return piece.reshape(x.shape[:axis] + (length // ksplit,) + x.shape[axis + 1:])
+  blocks = x.shape[axis] // (ksplit * block)
+  if axis < x.ndim - 1:
+    # A (blocks, S, B) view of a dim other than the last is a bitcast in TPU's tiled
+    # layouts (tiles cover the two minor dims, B is a multiple of the tile rows).
+    view = x.reshape(x.shape[:axis] + (blocks, ksplit, block) + x.shape[axis + 1:])
+    piece = lax.index_in_dim(view, index, axis=axis + 1, keepdims=False)
+    return piece.reshape(x.shape[:axis] + (blocks * block,) + x.shape[axis + 1:])
+  # The last (lane) dim: reshaping it to (blocks, S, B) makes TPU transpose the whole
+  # operand (a relayout copy) to keep the view a bitcast; static slices of it do not.
+  chunks = [lax.slice_in_dim(x, (b * ksplit + index) * block,
+                             (b * ksplit + index + 1) * block, axis=axis)
+            for b in range(blocks)]
+  return chunks[0] if blocks == 1 else lax.concatenate(chunks, axis)
+
+
+def take_slices(x, axis: int, ksplit: int, block: int) -> list:
+  """All `ksplit` block-cyclic slices of `x` along `axis`, cut at once.
+
+  Cut together, the slices are sibling slices of one operand, which XLA fuses into one
+  multi-output copy (one pass over `x`) instead of one copy per slice; on TPU every
+  collective operand that is a slice of a larger buffer is materialised.
+
+  >>> import numpy as np
+  >>> [a.tolist() for a in take_slices(np.arange(8), 0, 2, 2)]
+  [[0, 1, 4, 5], [2, 3, 6, 7]]
+  """
+  return [take_slice(x, axis, ksplit, block, s) for s in range(ksplit)]
 
 
 def assemble_slices(pieces, axis: int, block: int):
-  """Inverse of `take_slice`: interleave per-slice pieces back into one shard.
+  """Inverse of `take_slices`: interleave per-slice pieces back into one shard.
+
+  One concatenation of the pieces' blocks in (block, slice) order: a single copy,
+  whichever dim `axis` is (no (blocks, S, B) view, which TPU would relayout).
 
   >>> import numpy as np
   >>> assemble_slices([np.array([0, 1, 4, 5]), np.array([2, 3, 6, 7])], 0, 2).tolist()
@@ -41,14 +66,12 @@ def assemble_slices(pieces, axis: int, block: int):
   """
   if len(pieces) == 1:
     return pieces[0]
-  ksplit = len(pieces)
-  shape = pieces[0].shape
-  blocked = [p.reshape(shape[:axis] + (shape[axis] // block, block) + shape[axis + 1:])
-             for p in pieces]
-  stacked = jnp.stack(blocked, axis=axis + 1)
-  return stacked.reshape(shape[:axis] + (shape[axis] * ksplit,) + shape[axis + 1:])
-
-
+  blocks = pieces[0].shape[axis] // block
+  if blocks == 1:
+    return lax.concatenate(list(pieces), axis)
+  chunks = [lax.slice_in_dim(p, b * block, (b + 1) * block, axis=axis)
+            for b in range(blocks) for p in pieces]
+  return lax.concatenate(chunks, axis)
 
 # The pipelining barrier. `lax.optimization_barrier` requires, inside a type-checked
 # shard_map (check_vma=True), that all its operands vary over the same manual axes; a
