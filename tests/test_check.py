@@ -153,3 +153,12 @@ def test_check_rejects_bad_arguments():
     meshslice.check(3)
   with pytest.raises(ValueError, match="ksplit must be a positive int"):
     meshslice.check(lambda x: x, ksplit=0)
+
+
+def test_check_plain_function_and_pytree_outputs():
+  m = mesh((2, 2))
+  x = jax.device_put(jnp.arange(64.0).reshape(8, 8) / 64, NamedSharding(m, P("x", "y")))
+  result = meshslice.check(lambda a: {"gram": a @ a.T, "sum": jnp.sum(a)})(x)
+  assert result.ok, str(result)
+  assert [leaf.path for leaf in result.leaves] == ["['gram']", "['sum']"]
+  assert result.leaves[1].shape == ()

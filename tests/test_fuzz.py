@@ -42,7 +42,7 @@ def test_dot_general_differential(case):
     _check(fuzzing.run_dot_case(case))
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(fuzzing.program_cases())
 def test_program_differential(case):
   with warnings.catch_warnings():
