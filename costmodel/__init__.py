@@ -6,7 +6,9 @@ never imports the pass or the rewrites.
   profiles   HardwareProfile, load_profile / save_profile, the shipped JSON profiles
   timing     GemmProblem, Cost, the collective / GEMM formulas, schedules, predict,
              lower_bound
-  autotune   best_plan (one site), transformer_problems, recommend_mesh (mesh shapes)
+  autotune   best_plan (one site), transformer_problems, recommend_mesh (mesh shapes),
+             transformer_memory, paper_assumptions
+  topology   per-mesh-axis bandwidth from the torus / node geometry (profile_for_mesh)
   timeline   predicted schedules as Chrome / Perfetto trace JSON
   cli        `python -m meshslice autotune`
 
@@ -16,21 +18,24 @@ Example:
   ...           dataflows=("os",)).ksplit
   6
 """
-from .autotune import (Choice, LayerChoice, LayerProblem, MeshRecommendation, MeshResult,
-                       ModelSpec, best_plan, evaluate_mesh, mesh_shapes, model_spec,
-                       recommend_mesh, transformer_problems, valid_ksplits, variants)
+from .autotune import (Choice, LayerChoice, LayerProblem, MemoryEstimate, MeshRecommendation,
+                       MeshResult, ModelSpec, best_plan, evaluate_mesh, mesh_shapes,
+                       model_spec, paper_assumptions, recommend_mesh, transformer_memory,
+                       transformer_problems, valid_ksplits, variants)
 from .profiles import (CollectiveParams, GemmEfficiency, HardwareProfile, known_profiles,
                        load_profile, save_profile)
 from .timeline import trace_events, write_trace
 from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, Schedule, algorithm_doc,
-                     algorithm_options, lower_bound, predict, schedule, wang_ring_axis,
-                     why_invalid)
+                     algorithm_options, lower_bound, predict, schedule, site_memory,
+                     wang_ring_axis, why_invalid)
+from .topology import Topology, describe_axes, profile_for_mesh
 
 __all__ = ["ALGORITHMS", "DATAFLOWS", "Choice", "CollectiveParams", "Cost", "GemmEfficiency",
-           "GemmProblem", "HardwareProfile", "LayerChoice", "LayerProblem",
-           "MeshRecommendation", "MeshResult", "ModelSpec", "Schedule", "algorithm_doc",
-           "algorithm_options",
-           "best_plan", "evaluate_mesh", "known_profiles", "lower_bound", "load_profile",
-           "mesh_shapes", "model_spec", "predict", "recommend_mesh", "save_profile",
-           "schedule", "trace_events", "transformer_problems", "valid_ksplits", "variants",
-           "wang_ring_axis", "why_invalid", "write_trace"]
+           "GemmProblem", "HardwareProfile", "LayerChoice", "LayerProblem", "MemoryEstimate",
+           "MeshRecommendation", "MeshResult", "ModelSpec", "Schedule", "Topology",
+           "algorithm_doc", "algorithm_options",
+           "best_plan", "describe_axes", "evaluate_mesh", "known_profiles", "lower_bound",
+           "load_profile", "mesh_shapes", "model_spec", "paper_assumptions", "predict",
+           "profile_for_mesh", "recommend_mesh", "save_profile", "schedule", "site_memory",
+           "trace_events", "transformer_memory", "transformer_problems", "valid_ksplits",
+           "variants", "wang_ring_axis", "why_invalid", "write_trace"]

@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 from .profiles import HardwareProfile, load_profile
+from .topology import describe_axes, profile_for_mesh
 from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, lower_bound, predict,
                      site_memory, wang_ring_axis, why_invalid)
 
@@ -535,7 +536,8 @@ class MeshResult:
 
   `reason` is "" when the shape can run every GEMM (and, when memory is checked, fits);
   otherwise it says why not and the costs are zero. `memory` is the per-chip memory
-  estimate (None when not checked). `baseline_reason` says why the collective
+  estimate (None when not checked). `axes` says where each mesh axis lies on the
+  network (topology-derived bandwidths; empty when the profile dims were used). `baseline_reason` says why the collective
   algorithm could not run this shape ("" when it can), e.g. its buffers do not fit.
 
   Example:
@@ -553,6 +555,7 @@ class MeshResult:
   reason: str = ""
   memory: MemoryEstimate | None = None
   baseline_reason: str = ""
+  axes: tuple[str, ...] = ()
 
   @property
   def feasible(self) -> bool:
@@ -624,6 +627,7 @@ class MeshRecommendation:
               "baseline_reason": r.baseline_reason,
               "cost": cost(r.cost), "baseline": cost(r.baseline), "bound": cost(r.bound),
               "memory": None if r.memory is None else dataclasses.asdict(r.memory),
+              "axes": list(r.axes),
               "layers": [{"layer": lc.layer, "phase": lc.phase, "layout": lc.layout,
                           "problem": dataclasses.asdict(lc.problem),
                           "algorithm": lc.choice.algorithm, "dataflow": lc.choice.dataflow,
@@ -654,7 +658,8 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
                   profile: HardwareProfile | str, *, batch: int | None = None,
                   dtype_bytes: int = 2, algorithms=EMITTABLE, max_ksplit: int = 16,
                   min_block: int = 1, dataflow_policy: str = "model",
-                  check_memory: bool = True, memory_layers: int | None = None) -> MeshResult:
+                  check_memory: bool = True, memory_layers: int | None = None,
+                  topology: bool = True) -> MeshResult:
   """Autotune every FF GEMM of one transformer layer on one mesh shape.
 
   Each FF layer gets a weight layout (LAYOUTS; `dataflow_policy`: "model" tries every
@@ -671,6 +676,10 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
   The bound sums, per layer, the smallest over the allowed layouts of its three GEMMs'
   perfect-overlap bounds (for the candidate `algorithms`).
 
+  topology: when the profile describes its network, the row / column axes get the
+  bandwidths `topology.profile_for_mesh` derives for this shape (how create_device_mesh
+  lays the axes on the torus or the nodes); otherwise profile dims 0 / 1 as given.
+
   Example:
     >>> r = evaluate_mesh("gpt3", 16, (4, 4), "tpu-v4", check_memory=False)
     >>> len(r.layers), r.cost.total_s < r.baseline.total_s
@@ -681,6 +690,13 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
   spec = model_spec(model)
   shape = tuple(mesh_shape)
   batch = chips if batch is None else batch
+  axes = ()
+  if topology and profile.topology is not None:
+    try:
+      axes = describe_axes(profile, shape)
+      profile = profile_for_mesh(profile, shape)
+    except ValueError as e:
+      return MeshResult(shape=shape, reason=f"topology: {e}")
   memory = None
   budget = None
   if check_memory and profile.hbm_capacity:
@@ -688,7 +704,7 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
                                 memory_layers=memory_layers)
     budget = memory.free_for_gemm
     if budget <= 0:
-      return MeshResult(shape=shape, memory=memory,
+      return MeshResult(shape=shape, memory=memory, axes=axes,
                         reason=f"memory: {memory.describe()} leaves nothing for the GEMMs")
   per_layout = {lay: transformer_problems(spec, chips, shape, batch=batch,
                                           dtype_bytes=dtype_bytes, layouts=lay)
@@ -726,7 +742,7 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
         if best is None or total < best[0]:   # ties keep the earlier layout (os)
           best = (total, picks)
     if best is None:
-      return MeshResult(shape=shape, memory=memory,
+      return MeshResult(shape=shape, memory=memory, axes=axes,
                         reason=f"{name}: " + "; ".join(failures))
     layers += best[1]
     bound = bound + min(bounds, key=lambda c: c.total_s)
@@ -740,7 +756,8 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
   return MeshResult(shape=shape, layers=tuple(layers),
                     cost=sum((lc.choice.cost for lc in layers), Cost()),
                     baseline=sum((lc.choice.baseline for lc in layers), Cost()),
-                    bound=bound, memory=memory, baseline_reason="; ".join(baseline_reasons))
+                    bound=bound, memory=memory, baseline_reason="; ".join(baseline_reasons),
+                    axes=axes)
 
 
 ASSUMPTIONS = ("ours", "paper")
@@ -748,8 +765,9 @@ ASSUMPTIONS = ("ours", "paper")
 
 def paper_assumptions(profile: HardwareProfile | str = "tpu-v4") -> HardwareProfile:
   """The original MeshSlice autotuner's assumptions on top of `profile` (its collective
-  numbers are kept): matmuls at 2.66e14 FLOP/s (the constant the original passes to its
-  mesh) at full efficiency, no HBM roofline, no per-op overhead, no memory limit. Use
+  numbers are kept, on fixed profile dims 0 / 1): matmuls at 2.66e14 FLOP/s (the constant
+  the original passes to its mesh) at full efficiency, no HBM roofline, no per-op
+  overhead, no memory limit, no topology. Use
   with dataflow_policy="paper". Only TPU v4 was calibrated by the original authors.
 
   Example:
@@ -764,7 +782,7 @@ def paper_assumptions(profile: HardwareProfile | str = "tpu-v4") -> HardwareProf
   return dataclasses.replace(
       profile, name="tpu-v4-paper", peak_flops=2.66e14,
       gemm=dataclasses.replace(profile.gemm, max_efficiency=1.0),
-      hbm_bandwidth=0.0, hbm_capacity=0.0, op_overhead=0.0,
+      hbm_bandwidth=0.0, hbm_capacity=0.0, op_overhead=0.0, topology=None,
       description="tpu-v4 with the original MeshSlice autotuner's assumptions")
 
 
@@ -775,13 +793,13 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
                    dtype_bytes: int = 2, algorithms=EMITTABLE, max_ksplit: int = 16,
                    min_block: int = 1, dataflow_policy: str | None = None,
                    check_memory: bool = True, memory_layers: int | None = None,
-                   assume: str = "ours") -> MeshRecommendation:
+                   assume: str = "ours", topology: bool = True) -> MeshRecommendation:
   """Evaluate every 2D mesh shape of `chips` (see `mesh_shapes`) for the FF GEMMs of
   `model` and pick the fastest feasible one (ties: the smaller R).
 
   assume: "ours" (the profile as given; dataflow_policy default "model") or "paper"
   (`paper_assumptions(profile)`, dataflow_policy default "paper", memory not checked).
-  See `evaluate_mesh` for dataflow_policy, check_memory and memory_layers.
+  See `evaluate_mesh` for dataflow_policy, check_memory, memory_layers and topology.
 
   Raises:
     ValueError: chips not a positive int or with no 2D mesh shape; bad model or
@@ -808,7 +826,7 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
                                 dtype_bytes=dtype_bytes, algorithms=algorithms,
                                 max_ksplit=max_ksplit, min_block=min_block,
                                 dataflow_policy=dataflow_policy, check_memory=check_memory,
-                                memory_layers=memory_layers)
+                                memory_layers=memory_layers, topology=topology)
                   for shape in shapes)
   feasible = [r for r in results if r.feasible]
   if not feasible:

@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="how each FF layer's weight layout (forward dataflow) is chosen: "
                       "model (by predicted time; default), paper (os if d_out >= d_in, "
                       "else ls; default with --assume paper), os (always os)")
+  p.add_argument("--no-topology", action="store_true",
+                 help="use the profile's two fixed dims (row axis = dim 0, column axis = "
+                      "dim 1) instead of bandwidths derived from where create_device_mesh "
+                      "puts each mesh axis on the torus / nodes")
   p.add_argument("--no-memory-check", action="store_true",
                  help="do not exclude plans and shapes that exceed the chip's HBM")
   p.add_argument("--memory-layers", type=int, default=None,
@@ -121,6 +125,8 @@ def render(rec: A.MeshRecommendation, *, best_only: bool = False) -> str:
   for r in rec.results:
     if r.feasible and (r is rec.best or not best_only):
       lines += ["", f"mesh shape {r.shape}{' (best)' if r is rec.best else ''}:"]
+      if r.axes:
+        lines += [f"  row axis on {r.axes[0]}, column axis on {r.axes[1]}"]
       lines += ["  " + line for line in _layer_table(r)]
   b = rec.best
   runner = rec.runner_up
@@ -158,7 +164,8 @@ def main(argv=None) -> int:
                            min_block=args.min_block, assume=args.assume,
                            dataflow_policy=args.dataflow_policy,
                            check_memory=not args.no_memory_check,
-                           memory_layers=args.memory_layers)
+                           memory_layers=args.memory_layers,
+                           topology=not args.no_topology)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -47,6 +47,8 @@ import math
 import os
 import re
 
+from .topology import Topology
+
 COLLECTIVES = ("all_gather", "reduce_scatter", "permute")
 
 UNITS = {
@@ -60,6 +62,10 @@ UNITS = {
     "hbm_bandwidth": "bytes/s per chip (0: no memory roofline)",
     "hbm_capacity": "bytes per chip (0: unknown, memory not checked)",
     "op_overhead": "seconds per local op (matmul slice, relayout copy)",
+    "topology": "optional: the network (torus: link_bandwidth bytes/s one way per link, "
+                "efficiency of all_gather / reduce_scatter / permute; islands: island_size "
+                "devices per node); per-axis bandwidth derived from it, see "
+                "meshslice.costmodel.topology",
 }
 
 # Optional scalar fields (absent in older files): name -> default.
@@ -157,6 +163,9 @@ class HardwareProfile:
     hbm_capacity: bytes of HBM per chip (0: unknown; memory feasibility not checked).
     op_overhead: fixed seconds per local op (each matmul slice, each relayout copy).
     sources: where the numbers come from, one entry per fact.
+    topology: the interconnect's geometry (`topology.Topology`), from which
+      `topology.profile_for_mesh` derives per-mesh-axis bandwidths; None: the two
+      profile dims are used as given.
 
   Example:
     >>> p = load_profile("tpu-v4")
@@ -178,6 +187,7 @@ class HardwareProfile:
   hbm_capacity: float = 0.0
   op_overhead: float = 0.0
   sources: tuple[str, ...] = ()
+  topology: Topology | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -197,6 +207,8 @@ class HardwareProfile:
     if isinstance(self.sources, str) or not all(isinstance(x, str) for x in self.sources):
       raise ValueError(f"field 'sources' must be a list of strings, got {self.sources!r}")
     object.__setattr__(self, "sources", tuple(self.sources))
+    if self.topology is not None and not isinstance(self.topology, Topology):
+      raise ValueError("field 'topology' must be a Topology or None")
 
   def collective(self, kind: str) -> CollectiveParams:
     """The parameters of `kind` ("all_gather", "reduce_scatter" or "permute")."""
@@ -221,6 +233,7 @@ class HardwareProfile:
         "overlap": self.overlap,
         **{key: getattr(self, key) for key in _OPTIONAL},
         "sources": list(self.sources),
+        **({} if self.topology is None else {"topology": self.topology.to_json_dict()}),
     }
 
 
@@ -274,9 +287,15 @@ def profile_from_json_dict(data) -> HardwareProfile:
   sources = data.get("sources", [])
   if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
     raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
+  topology = data.get("topology")
+  if topology is not None:
+    try:
+      topology = Topology.from_json_dict(topology)
+    except TypeError as e:
+      raise ValueError(f"field 'topology': {e}") from None
   return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
                          description=description, overlap=overlap, sources=tuple(sources),
-                         **extra, **params)
+                         topology=topology, **extra, **params)
 
 
 def _builtin_dir():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from meshslice.costmodel import autotune, profiles, timeline, timing
+from meshslice.costmodel import autotune, profiles, timeline, timing, topology
 from meshslice.costmodel.autotune import (Choice, best_plan, evaluate_mesh, mesh_shapes,
                                           model_spec, recommend_mesh, transformer_problems,
                                           valid_ksplits, variants)
@@ -467,7 +467,7 @@ def test_trace_events_follow_the_schedule(tmp_path):
   assert json.loads((tmp_path / "t.json").read_text())["traceEvents"] == events
 
 
-@pytest.mark.parametrize("module", [profiles, timing, autotune, timeline],
+@pytest.mark.parametrize("module", [profiles, timing, autotune, timeline, topology],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
@@ -596,9 +596,12 @@ def test_ksplit_is_chosen_by_the_model_not_the_cap():
                  "megatron", 256, (32, 8), layouts=layouts64)}[label] == "os")
   paper64, _ = ksplits(autotune.paper_assumptions(), 64, "paper")
   assert 64 in paper64.values()
-  for cap in (16, 64):
-    assert recommend_mesh(256, model="megatron", max_ksplit=cap,
-                          memory_layers=1).best_shape == (32, 8)
+  recs = {cap: recommend_mesh(256, model="megatron", max_ksplit=cap, memory_layers=1)
+          for cap in (16, 32, 64)}
+  assert {(r.best_shape, tuple(r.best.layouts.items())) for r in recs.values()} == {
+      (recs[16].best_shape, tuple(recs[16].best.layouts.items()))}
+  assert ([lc.choice.ksplit for lc in recs[32].best.layers]
+          == [lc.choice.ksplit for lc in recs[64].best.layers])
 
 
 # ------------------------------------------------------------------ issue 10: profiles
@@ -720,3 +723,96 @@ def test_memory_excludes_plans_and_shapes():
   assert recommend_mesh(256, model="megatron", profile="tpu-v5p").best.memory.fits
   # no capacity known, or checking off: nothing excluded
   assert recommend_mesh(256, model="megatron", check_memory=False).best.memory is None
+
+
+# ------------------------------------------------------------------ issue 10: topology
+
+def test_axis_assignment_matches_create_device_mesh():
+  np = pytest.importorskip("numpy")
+  try:   # the routine behind jax.experimental.mesh_utils.create_device_mesh on TPU
+    from jax._src.mesh_utils import _create_device_mesh_for_nd_torus as torus_mesh
+  except ImportError:
+    pytest.skip("this jax has no _create_device_mesh_for_nd_torus")
+  t = load_profile("tpu-v4").topology
+  for chips in (64, 256, 1024):
+    shape = topology.physical_shape(t, chips)
+    for mesh in mesh_shapes(chips):
+      _, a = torus_mesh(np.arange(chips).reshape(shape), mesh, allow_split_physical_axes=True)
+      theirs = tuple(tuple(p for p in range(len(shape)) if a[p, axis] > 1)
+                     for axis in range(len(mesh)))
+      assert topology.assign_axes(t, mesh) == theirs, (chips, mesh)
+
+
+def test_per_axis_bandwidth_from_the_torus_by_hand():
+  v4 = load_profile("tpu-v4")
+  assert topology.physical_shape(v4.topology, 256) == (8, 8, 4)
+  # (32, 8): row axis on the 8 x 4 plane (two wrap-around dims, 4 links), column axis on
+  # one 8-long torus dim (2 links); link 4.5e10 B/s one way
+  p = topology.profile_for_mesh(v4, (32, 8))
+  assert p.all_gather.bandwidth == (approx(0.886 * 4 * 4.5e10), approx(0.886 * 2 * 4.5e10))
+  assert p.reduce_scatter.bandwidth == (approx(0.702 * 4 * 4.5e10),
+                                        approx(0.702 * 2 * 4.5e10))
+  assert p.permute.bandwidth == (approx(0.783 * 4.5e10), approx(0.783 * 4.5e10))
+  # swapping the mesh axes swaps the bandwidths
+  q = topology.profile_for_mesh(v4, (8, 32))
+  assert q.all_gather.bandwidth == (p.all_gather.bandwidth[1], p.all_gather.bandwidth[0])
+  # latencies and overheads are kept
+  assert p.all_gather.hop_latency == v4.all_gather.hop_latency
+  # (16, 16) needs a physical dim split between the axes: the split dim is a line
+  assert topology.describe_axes(v4, (16, 16)) == ("8 (split) line x 4 torus",
+                                                  "8 torus x 8 (split) line")
+  s = topology.profile_for_mesh(v4, (16, 16))
+  assert s.all_gather.bandwidth == _pair(approx(0.886 * 3 * 4.5e10))
+  assert s.permute.bandwidth == _pair(approx(0.783 * 4.5e10 / 2))
+  # a slice smaller than a 4x4x4 cube has no wrap-around: every dim is a line
+  # (the last mesh axis is placed first and prefers more physical dims)
+  assert topology.describe_axes(v4, (4, 4)) == ("4 line", "2 line x 2 line")
+  # the other way of asking for the axes: a 3-axis mesh, axes 1 and 2
+  assert topology.profile_for_mesh(v4, (1, 32, 8), axes=(1, 2)).all_gather == p.all_gather
+  # no topology, or a paper profile: unchanged
+  assert topology.profile_for_mesh(PROF, (32, 8)) is PROF
+  assert autotune.paper_assumptions().topology is None
+
+
+def test_islands_and_network_limits():
+  h = load_profile("h100")
+  assert topology.describe_axes(h, (4, 8)) == ("across nodes", "inside a node")
+  assert topology.describe_axes(h, (8, 4)) == ("across nodes", "inside a node")
+  assert topology.describe_axes(h, (2, 16)) == ("across nodes", "across nodes")
+  inside = topology.profile_for_mesh(h, (16, 8))
+  assert inside.all_gather.bandwidth == h.all_gather.bandwidth     # (IB, NVLink)
+  across = topology.profile_for_mesh(h, (8, 16))
+  assert across.all_gather.bandwidth == _pair(h.all_gather.bandwidth[0])
+  assert across.all_gather.hop_latency == _pair(h.all_gather.hop_latency[0])
+  # one v5e pod holds 256 chips; more would need the data-centre network
+  with pytest.raises(ValueError, match="tpu-v5e: 1024 chips exceed one network of 256"):
+    topology.profile_for_mesh(load_profile("tpu-v5e"), (32, 32))
+  r = evaluate_mesh("gpt3", 1024, (32, 32), "tpu-v5e", check_memory=False)
+  assert r.reason.startswith("topology: tpu-v5e: 1024 chips exceed")
+  assert evaluate_mesh("gpt3", 1024, (32, 32), "tpu-v5e", check_memory=False,
+                       topology=False).feasible
+
+
+def test_topology_moves_the_decision():
+  # with the fixed profile dims the row axis always gets the measured dim-0 numbers
+  fixed = recommend_mesh(256, model="gpt3", check_memory=False, topology=False)
+  derived = recommend_mesh(256, model="gpt3", check_memory=False)
+  assert fixed.best.axes == () and derived.best.axes
+  assert derived.best_shape == (64, 4) and fixed.best_shape == (32, 8)
+  assert derived.to_dict()["results"][0]["axes"] == list(derived.results[0].axes)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["topology"].update(kind="ring"), "field 'topology.kind' must be one of"),
+    (lambda d: d["topology"].update(link_bandwidth=0), "field 'topology.link_bandwidth' must "
+                                                       "be > 0"),
+    (lambda d: d["topology"].update(efficiency=[1, 1]), "field 'topology.efficiency' must be "
+                                                        "3 numbers"),
+    (lambda d: d["topology"].update(hops=3), "field 'topology' has unknown keys ['hops']"),
+    (lambda d: d["topology"].pop("kind"), "missing field 'topology.kind'"),
+])
+def test_malformed_topology(tmp_path, edit, message):
+  path = _broken(tmp_path, edit)
+  with pytest.raises(ValueError) as e:
+    load_profile(path)
+  assert message in str(e.value)

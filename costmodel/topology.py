@@ -1,0 +1,292 @@
+"""Per-axis bandwidth from the interconnect's geometry and the mesh's device assignment.
+
+A profile's collective numbers are given per *profile dim* (0, 1). When the profile
+also describes its interconnect (`Topology`), `profile_for_mesh(profile, mesh_shape,
+axes)` works out, for one mesh shape, how each mesh axis lies on the physical network
+and returns a profile whose dim 0 / dim 1 are the two chosen mesh axes with bandwidths
+derived from that placement (latencies and per-call overheads are kept).
+
+Torus (TPU v4 / v5p: 3D, TPU v5e / v6e: 2D). The slice of P chips is a physical box
+(`physical_shape`: the most cubic factorisation, sides descending, e.g. 256 v4 chips
+-> 8x8x4, as the "v4:8x8x4" topology). Mesh axes are assigned to physical dims the way
+`jax.experimental.mesh_utils.create_device_mesh` does: from the last (most network-
+intensive) mesh axis to the first, each takes the subset of still-free physical dims
+whose sizes multiply to its size, preferring subsets with more dims (itertools order
+among equals). When no subset fits, the axis takes free dims until their product is a
+multiple of its size and the dim it shares with another axis is split (both get it as a
+line, no wrap-around). Per axis, with L the one-way bandwidth of one link:
+
+    rate(dim)            = 2 L on a dim with wrap-around (a ring in both directions),
+                           1 L on a line (the end chips have one neighbour)
+    all-gather bandwidth = efficiency_all_gather    * sum of rate(dim) over the axis's dims
+    reduce-scatter       = efficiency_reduce_scatter * the same sum
+    send/recv            = efficiency_permute * L, halved when any of its dims is a line
+                           (the ring's closing hop travels back along it)
+
+A dim has wrap-around when it is at least `wrap_min_length` long and the slice has at
+least `wrap_min_chips` chips (v4 / v5p: slices of whole 4x4x4 cubes; v5e / v6e: the 16
+side of a full 16x16 pod). Several dims are summed because a multi-dimensional
+collective sends over every dim's links at once (the original MeshSlice cost model
+does the same for an axis over two torus dims).
+
+Islands (H100: NVLink inside 8-GPU nodes, InfiniBand between). Devices are numbered
+node by node and the mesh is laid out row-major (as create_device_mesh does on GPU), so
+a mesh axis whose devices all sit inside one node uses the profile's dim 1 numbers
+(NVLink) and any other axis those of dim 0 (the network).
+
+Example:
+  >>> from meshslice.costmodel import load_profile
+  >>> v4 = load_profile("tpu-v4")
+  >>> physical_shape(v4.topology, 256), assign_axes(v4.topology, (32, 8))
+  ((8, 8, 4), ((1, 2), (0,)))
+  >>> p = profile_for_mesh(v4, (32, 8))
+  >>> [round(b / 1e9, 1) for b in p.all_gather.bandwidth]      # 4 links vs 2 links
+  [159.5, 79.7]
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+KINDS = ("torus", "islands")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+  """What the network looks like (see the module docstring).
+
+  Attributes:
+    kind: "torus" or "islands".
+    physical_dims: 3 (v4, v5p) or 2 (v5e, v6e) for a torus.
+    link_bandwidth: bytes/s one way over one link (torus).
+    efficiency: fraction of the link rate each collective kind reaches, as
+      (all_gather, reduce_scatter, permute) (torus).
+    wrap_min_length, wrap_min_chips: when a dim has wrap-around links (torus).
+    max_chips: the largest slice one network holds (more chips would need the data-
+      centre network between slices, which is not modelled).
+    island_size: devices per node (islands).
+  """
+
+  kind: str
+  physical_dims: int = 3
+  link_bandwidth: float = 0.0
+  efficiency: tuple[float, float, float] = (1.0, 1.0, 1.0)
+  wrap_min_length: int = 4
+  wrap_min_chips: int = 64
+  max_chips: int = 0
+  island_size: int = 8
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"field 'topology.kind' must be one of {KINDS}, got {self.kind!r}")
+    for name in ("physical_dims", "wrap_min_length", "wrap_min_chips", "island_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"field 'topology.{name}' must be a positive int, got {value!r}")
+    if isinstance(self.max_chips, bool) or not isinstance(self.max_chips, int) or \
+        self.max_chips < 0:
+      raise ValueError(f"field 'topology.max_chips' must be an int >= 0, got "
+                       f"{self.max_chips!r}")
+    if self.kind == "torus":
+      if self.physical_dims not in (2, 3):
+        raise ValueError(f"field 'topology.physical_dims' must be 2 or 3, got "
+                         f"{self.physical_dims!r}")
+      if (isinstance(self.link_bandwidth, bool)
+          or not isinstance(self.link_bandwidth, (int, float)) or self.link_bandwidth <= 0):
+        raise ValueError(f"field 'topology.link_bandwidth' must be > 0, got "
+                         f"{self.link_bandwidth!r}")
+    eff = tuple(self.efficiency)
+    if len(eff) != 3 or any(isinstance(e, bool) or not isinstance(e, (int, float))
+                            or not 0 < e <= 2 for e in eff):
+      raise ValueError(f"field 'topology.efficiency' must be 3 numbers in (0, 2] "
+                       f"(all_gather, reduce_scatter, permute), got {self.efficiency!r}")
+    object.__setattr__(self, "efficiency", tuple(float(e) for e in eff))
+    object.__setattr__(self, "link_bandwidth", float(self.link_bandwidth))
+
+  def to_json_dict(self) -> dict:
+    return {"kind": self.kind, "physical_dims": self.physical_dims,
+            "link_bandwidth": self.link_bandwidth, "efficiency": list(self.efficiency),
+            "wrap_min_length": self.wrap_min_length, "wrap_min_chips": self.wrap_min_chips,
+            "max_chips": self.max_chips, "island_size": self.island_size}
+
+  @classmethod
+  def from_json_dict(cls, data) -> "Topology":
+    if not isinstance(data, dict):
+      raise ValueError(f"field 'topology' must be a JSON object, got {data!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+      raise ValueError(f"field 'topology' has unknown keys {sorted(unknown)}; known: "
+                       f"{sorted(known)}")
+    if "kind" not in data:
+      raise ValueError("missing field 'topology.kind'")
+    values = dict(data)
+    if "efficiency" in values and isinstance(values["efficiency"], list):
+      values["efficiency"] = tuple(values["efficiency"])
+    return cls(**values)
+
+
+def physical_shape(topology: Topology, chips: int) -> tuple[int, ...]:
+  """The physical box of a torus slice of `chips` chips: the factorisation into
+  `physical_dims` sides that is most cubic (smallest largest side, then smallest
+  second side), sides descending.
+
+  Example:
+    >>> t = Topology(kind="torus", physical_dims=3, link_bandwidth=1e9)
+    >>> physical_shape(t, 64), physical_shape(t, 1024), physical_shape(t, 96)
+    ((4, 4, 4), (16, 8, 8), (6, 4, 4))
+  """
+  best = None
+  n = topology.physical_dims
+  for sides in itertools.product(*[[d for d in range(1, chips + 1) if chips % d == 0]] * n):
+    if math.prod(sides) != chips:
+      continue
+    key = tuple(sorted(sides, reverse=True))
+    if best is None or key < best:
+      best = key
+  return best
+
+
+def assign_axes(topology: Topology, mesh_shape) -> tuple[tuple[int, ...], ...]:
+  """Physical dims (indices into `physical_shape`) each mesh axis is assigned, in the
+  order of create_device_mesh (module docstring). A dim split between axes appears in
+  both.
+
+  Example:
+    >>> t = Topology(kind="torus", physical_dims=3, link_bandwidth=1e9)
+    >>> assign_axes(t, (16, 16)), assign_axes(t, (2, 128))     # 256 chips: 8x8x4
+    (((1, 2), (0, 1)), ((2,), (0, 1, 2)))
+  """
+  shape = physical_shape(topology, math.prod(mesh_shape))
+  free = list(shape)                    # unassigned extent left on each physical dim
+  out = [()] * len(mesh_shape)
+  for axis in reversed(range(len(mesh_shape))):
+    size = mesh_shape[axis]
+    if size == 1:
+      continue
+    found = None
+    for count in range(len(shape), 0, -1):
+      for dims in itertools.combinations(range(len(shape)), count):
+        if all(free[d] == shape[d] for d in dims) and \
+            math.prod(shape[d] for d in dims) == size:
+          found = dims
+          break
+      if found:
+        break
+    if found:
+      for d in found:
+        free[d] = 1
+    else:   # split: take free extent, whole dims first, until the size is covered
+      need, dims = size, []
+      for d in sorted(range(len(shape)), key=lambda d: (free[d] != shape[d], d)):
+        if need == 1:
+          break
+        take = math.gcd(need, free[d])
+        if take > 1:
+          dims.append(d)
+          need //= take
+          free[d] //= take
+      found = tuple(sorted(dims))
+    out[axis] = found
+  return tuple(out)
+
+
+def _axis_rates(topology: Topology, mesh_shape, chips):
+  """Per mesh axis: (sum of link rates in units of L, has a line, description)."""
+  shape = physical_shape(topology, chips)
+  assignment = assign_axes(topology, mesh_shape)
+  uses = [sum(d in dims for dims in assignment) for d in range(len(shape))]
+  wrap_slice = chips >= topology.wrap_min_chips
+  rates = []
+  for axis, dims in enumerate(assignment):
+    rate, line, parts = 0.0, False, []
+    for d in dims:
+      wraps = wrap_slice and shape[d] >= topology.wrap_min_length and uses[d] == 1
+      rate += 2.0 if wraps else 1.0
+      line = line or not wraps
+      parts.append(f"{shape[d]}{'' if uses[d] == 1 else ' (split)'}"
+                   f"{' torus' if wraps else ' line'}")
+    rates.append((rate, line, " x ".join(parts) or "-"))
+  return rates
+
+
+def describe_axes(profile, mesh_shape) -> tuple[str, ...]:
+  """One line per mesh axis: which physical dims it lies on (for reports).
+
+  Example:
+    >>> from meshslice.costmodel import load_profile
+    >>> describe_axes(load_profile("tpu-v4"), (32, 8))
+    ('8 torus x 4 torus', '8 torus')
+    >>> describe_axes(load_profile("h100"), (4, 8))
+    ('across nodes', 'inside a node')
+  """
+  topology = profile.topology
+  if topology is None:
+    return tuple(f"profile dim {min(i, 1)}" for i in range(len(mesh_shape)))
+  if topology.kind == "islands":
+    return tuple("inside a node" if _inside_island(topology, mesh_shape, i)
+                 else "across nodes" for i in range(len(mesh_shape)))
+  return tuple(r[2] for r in _axis_rates(topology, tuple(mesh_shape),
+                                         math.prod(mesh_shape)))
+
+
+def _inside_island(topology, mesh_shape, axis) -> bool:
+  # Row-major layout over devices numbered node by node: the devices of one group along
+  # `axis` are `stride` apart, `size` of them.
+  stride = math.prod(mesh_shape[axis + 1:])
+  span = stride * (mesh_shape[axis] - 1) + 1
+  return span <= topology.island_size and topology.island_size % (stride * mesh_shape[axis]) == 0
+
+
+def profile_for_mesh(profile, mesh_shape, axes=(0, 1)):
+  """`profile` with dim 0 / dim 1 re-derived for mesh axes `axes` of `mesh_shape` (all
+  of the mesh's axis sizes, in mesh order). A profile without a topology, or a mesh of
+  one axis, comes back unchanged.
+
+  Raises:
+    ValueError: more chips than one network holds (`Topology.max_chips`).
+
+  Example:
+    >>> from meshslice.costmodel import load_profile
+    >>> h = profile_for_mesh(load_profile("h100"), (4, 8))    # col axis = one node
+    >>> h.all_gather.bandwidth == load_profile("h100").all_gather.bandwidth
+    True
+    >>> profile_for_mesh(load_profile("h100"), (2, 16)).all_gather.bandwidth   # 2 nodes
+    (40000000000.0, 40000000000.0)
+  """
+  topology = profile.topology
+  mesh_shape = tuple(int(s) for s in mesh_shape)
+  if topology is None or len(mesh_shape) < 2:
+    return profile
+  chips = math.prod(mesh_shape)
+  if topology.max_chips and chips > topology.max_chips:
+    raise ValueError(f"{profile.name}: {chips} chips exceed one network of "
+                     f"{topology.max_chips} (several slices over the data-centre network "
+                     f"are not modelled)")
+  from .profiles import CollectiveParams   # local: profiles imports this module
+  params = {}
+  if topology.kind == "islands":
+    inside = [_inside_island(topology, mesh_shape, a) for a in axes]
+    for kind in ("all_gather", "reduce_scatter", "permute"):
+      c = profile.collective(kind)
+      pick = lambda values: tuple(values[1] if i else values[0] for i in inside)
+      params[kind] = CollectiveParams(bandwidth=pick(c.bandwidth),
+                                      hop_latency=pick(c.hop_latency),
+                                      base_overhead=pick(c.base_overhead))
+  else:
+    rates = _axis_rates(topology, mesh_shape, chips)
+    link = topology.link_bandwidth
+    for kind, eff in zip(("all_gather", "reduce_scatter", "permute"), topology.efficiency):
+      c = profile.collective(kind)
+      bw = []
+      for a in axes:
+        rate, line, _ = rates[a]
+        if kind == "permute":
+          bw.append(eff * link / (2.0 if line else 1.0))
+        else:
+          bw.append(eff * link * max(rate, 1.0))
+      params[kind] = CollectiveParams(bandwidth=tuple(bw), hop_latency=c.hop_latency,
+                                      base_overhead=c.base_overhead)
+  shape = "x".join(map(str, mesh_shape))
+  return dataclasses.replace(profile, name=f"{profile.name}@{shape}", **params)
