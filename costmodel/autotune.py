@@ -838,3 +838,96 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
                             profile=profile.name, algorithms=algorithms,
                             max_ksplit=max_ksplit, results=results, best=best,
                             dataflow_policy=dataflow_policy, assume=assume)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def other_layer_time(model: str | ModelSpec, chips: int, profile: HardwareProfile | str, *,
+                     batch: int | None = None, dtype_bytes: int = 2) -> Cost:
+  """Predicted time per chip of the rest of one transformer layer's training step (all
+  but the 12 FF GEMMs), forward + backward, with heads and tokens split over all chips
+  and no communication (the 2D layout keeps attention local to its head / token shard):
+
+    attention core   flops = 3 * 4 * batch * seq^2 * H / chips   (Q.K^T and P.V, forward
+                     once, backward twice) at peak * max_efficiency
+    elementwise      bytes = 3 * (36 * T * H + 4 * batch * heads * seq^2) * dtype_bytes / 2
+                     / chips at hbm_bandwidth (layer norms, GELU, residual adds, softmax;
+                     each pass reads and writes its tensor; backward twice forward)
+
+  A rough estimate, meant for turning FF-GEMM gains into end-to-end ones; 0 for the
+  elementwise part when the profile has no HBM bandwidth.
+
+  Example:
+    >>> c = other_layer_time("gpt3", 256, "tpu-v4")
+    >>> round(c.compute_s * 1e3, 2), c.comm_s
+    (8.74, 0.0)
+  """
+  spec = model_spec(model)
+  profile = load_profile(profile)
+  _check_chips(chips)
+  batch = chips if batch is None else batch
+  h, s = spec.hidden, spec.seq
+  tokens = batch * s
+  flops = 3 * 4 * batch * s * s * h / chips
+  attention = flops / (profile.peak_flops * profile.gemm.max_efficiency)
+  elementwise = 0.0
+  if profile.hbm_bandwidth > 0:
+    moved = 3 * (36 * tokens * h + 4 * batch * spec.heads * s * s) * dtype_bytes / 2 / chips
+    elementwise = moved / profile.hbm_bandwidth
+  t = attention + elementwise
+  return Cost(compute_s=t, comm_s=0.0, exposed_comm_s=0.0, total_s=t)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Comparison:
+  """One algorithm at its own best mesh shape (see `compare_algorithms`).
+
+  Attributes:
+    algorithm: the only candidate the autotuner had (besides nothing: "collective" is
+      not added, so each baseline is its own algorithm everywhere).
+    shape: its best mesh shape, or None when no shape can run it.
+    ff_s: predicted FF-GEMM seconds per layer (forward + backward).
+    other_s: the rest of the layer (`other_layer_time`), the same for every algorithm.
+    reason: why no shape can run it ("" otherwise).
+  """
+
+  algorithm: str
+  shape: tuple[int, int] | None
+  ff_s: float
+  other_s: float
+  reason: str = ""
+
+  @property
+  def layer_s(self) -> float:
+    return self.ff_s + self.other_s
+
+
+def compare_algorithms(chips: int, *, model: str | ModelSpec = "gpt3",
+                       profile: HardwareProfile | str = "tpu-v4",
+                       algorithms=("collective", "wang", "summa", "cannon", "meshslice"),
+                       **options) -> tuple[Comparison, ...]:
+  """Each algorithm alone, at its own best mesh shape (`recommend_mesh` with
+  algorithms=(algorithm,) and `options`), with the end-to-end time of a layer.
+
+  Example:
+    >>> rows = compare_algorithms(64, model="gpt3", check_memory=False)
+    >>> [r.algorithm for r in rows], rows[-1].ff_s < rows[0].ff_s
+    (['collective', 'wang', 'summa', 'cannon', 'meshslice'], True)
+  """
+  out = []
+  assume = options.get("assume", "ours")
+  base = load_profile(profile)
+  other_profile = paper_assumptions(base) if assume == "paper" else base
+  for algorithm in algorithms:
+    try:
+      rec = recommend_mesh(chips, model=model, profile=base, algorithms=(algorithm,),
+                           **options)
+    except ValueError as e:
+      out.append(Comparison(algorithm=algorithm, shape=None, ff_s=0.0, other_s=0.0,
+                            reason=str(e)))
+      continue
+    other = other_layer_time(rec.model, chips, other_profile, batch=rec.batch,
+                             dtype_bytes=rec.dtype_bytes).total_s
+    out.append(Comparison(algorithm=algorithm, shape=rec.best_shape,
+                          ff_s=rec.best.cost.total_s, other_s=other))
+  return tuple(out)

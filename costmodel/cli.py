@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                       "on these chips (default: all of the model's)")
   p.add_argument("--max-ksplit", type=int, default=16)
   p.add_argument("--min-block", type=int, default=1)
+  p.add_argument("--compare", action="store_true",
+                 help="instead of one search over --algorithms: run each of collective, "
+                      "wang, summa, cannon and meshslice alone at its own best mesh shape "
+                      "and print meshslice's predicted gain over each, FF GEMMs and end to "
+                      "end (FF GEMMs + attention + elementwise)")
   p.add_argument("--best-only", action="store_true",
                  help="print the per-GEMM table of the best mesh shape only")
   p.add_argument("--trace", default=None,
@@ -143,6 +148,31 @@ def render(rec: A.MeshRecommendation, *, best_only: bool = False) -> str:
   return "\n".join(lines)
 
 
+def render_comparison(rows, *, model, chips: int, profile: str, assume: str) -> str:
+  """The text table of `--compare` (autotune.compare_algorithms rows)."""
+  ms = next((r for r in rows if r.algorithm == "meshslice" and r.shape), None)
+  lines = [f"compare: {model}, {chips} chips, profile {profile}, assumptions {assume}; "
+           f"times per transformer layer (forward + backward); each algorithm at its own "
+           f"best mesh shape", ""]
+  table = []
+  for r in rows:
+    if r.shape is None:
+      table.append([r.algorithm, "n/a", "", "", "", "", r.reason.split(": ", 1)[-1][:60]])
+      continue
+    ff_gain = e2e_gain = "-"
+    if ms is not None and r is not ms:
+      ff_gain = f"{(r.ff_s / ms.ff_s - 1) * 100:+.1f}%"
+      e2e_gain = f"{(r.layer_s / ms.layer_s - 1) * 100:+.1f}%"
+    table.append([r.algorithm, str(r.shape), _ms(r.ff_s), _ms(r.layer_s), ff_gain, e2e_gain,
+                  ""])
+  lines += _table(table, ["algorithm", "best shape", "FF GEMMs", "end to end",
+                          "meshslice gain (FF)", "(end to end)", ""])
+  if ms is not None:
+    lines += ["", f"other work per layer (attention core, elementwise): "
+                  f"{_ms(ms.other_s)}, the same for every algorithm"]
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   """Run `autotune`; `argv` may start with the word "autotune". Returns the exit code."""
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -155,6 +185,26 @@ def main(argv=None) -> int:
     return int(e.code or 0)
   algorithms = (ALGORITHMS if args.algorithms.strip() == "all"
                 else tuple(a.strip() for a in args.algorithms.split(",") if a.strip()))
+  options = dict(batch=args.batch, seq=args.seq, heads=args.heads, head_dim=args.head_dim,
+                 layers=args.layers, dtype_bytes=args.dtype_bytes, max_ksplit=args.max_ksplit,
+                 min_block=args.min_block, assume=args.assume,
+                 dataflow_policy=args.dataflow_policy, check_memory=not args.no_memory_check,
+                 memory_layers=args.memory_layers, topology=not args.no_topology)
+  if args.compare:
+    try:
+      profile = load_profile(args.profile)
+      spec = A.model_spec(args.model, heads=args.heads, head_dim=args.head_dim, seq=args.seq,
+                          layers=args.layers)
+      A.mesh_shapes(args.chips)
+      rows = A.compare_algorithms(args.chips, model=spec, profile=profile, **{
+          k: v for k, v in options.items() if k not in ("seq", "heads", "head_dim",
+                                                        "layers")})
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    print(render_comparison(rows, model=spec.name, chips=args.chips, profile=profile.name,
+                            assume=args.assume))
+    return 0
   try:
     profile = load_profile(args.profile)
     rec = A.recommend_mesh(args.chips, model=args.model, profile=profile, batch=args.batch,

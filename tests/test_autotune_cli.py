@@ -115,3 +115,21 @@ def test_autotune_marks_near_ties_and_reports_memory_errors(capsys):
   out = capsys.readouterr().out
   assert "! the collective algorithm does not fit in memory on this shape:" in out
   assert "(2, 128): mlp_down/forward: the collective algorithm needs" in out
+
+
+def test_autotune_compare(capsys):
+  from meshslice.costmodel.autotune import compare_algorithms
+  assert main(["autotune", "--model", "gpt3", "--chips", "64", "--compare", "--assume",
+               "paper"]) == 0
+  out = capsys.readouterr().out
+  rows = {r.algorithm: r for r in compare_algorithms(64, model="gpt3", assume="paper")}
+  ms = rows["meshslice"]
+  lines = {line.split()[0]: line for line in out.splitlines()[3:8]}
+  assert list(lines) == ["collective", "wang", "summa", "cannon", "meshslice"]
+  for name in ("collective", "wang", "summa", "cannon"):
+    r = rows[name]
+    assert str(r.shape) in lines[name]
+    assert f"{(r.ff_s / ms.ff_s - 1) * 100:+.1f}%" in lines[name]
+    assert f"{(r.layer_s / ms.layer_s - 1) * 100:+.1f}%" in lines[name]
+  assert ms.other_s > 0 and ms.layer_s == ms.ff_s + ms.other_s
+  assert "other work per layer (attention core, elementwise)" in out
