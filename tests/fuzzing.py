@@ -68,6 +68,8 @@ def meshes(draw):
   for _ in range(n_axes):
     budget = 8 // int(np.prod(shape or [1]))
     shape.append(draw(st.sampled_from([s for s in (2, 4, 1, 2) if s <= budget])))
+  if max(shape) == 1 and draw(st.integers(0, 3)):    # mostly more than one device
+    shape[0] = 2
   names = tuple(draw(st.permutations(AXIS_NAMES))[:n_axes])
   return tuple(shape), names, draw(st.booleans())
 
@@ -277,7 +279,20 @@ def dot_cases(draw):
   if len(names) >= 2 and draw(st.integers(0, 2)) > 0:
     lhs_axes, rhs_axes = _template(draw, lhs_dims, rhs_dims, sizes, axis_sizes,
                                    lhs_axes, rhs_axes)
-  if draw(st.integers(0, 3)) == 0:
+  shared = [d for d in lhs_dims if d in rhs_dims]
+  big = [a for a in names if axis_sizes[a] > 1]
+  if shared and len(big) >= 2 and draw(st.integers(0, 3)) == 0:
+    # one contracting/batch dim split over several axes, the tuple order drawn
+    # independently per operand (lhs K over ("d", "x"), rhs K over ("x", "d"))
+    dim = draw(st.sampled_from(shared))
+    axes = draw(st.permutations(big))[:draw(st.integers(2, len(big)))]
+    if sizes[dim] % int(np.prod([axis_sizes[a] for a in axes])) == 0:
+      def put(dims, entries):
+        entries = [tuple(a for a in e if a not in axes) for e in entries]
+        entries[dims.index(dim)] = tuple(draw(st.permutations(axes)))
+        return tuple(entries)
+      lhs_axes, rhs_axes = put(lhs_dims, lhs_axes), put(rhs_dims, rhs_axes)
+  elif draw(st.integers(0, 3)) == 0:
     # the same axes on matching dims, tuple orders shuffled independently: the
     # "K over (x, y) on lhs, (y, x) on rhs" family
     lhs_map = dict(zip(lhs_dims, lhs_axes))

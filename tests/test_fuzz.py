@@ -19,13 +19,13 @@ SETTINGS = dict(deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 
-# lhs K over ("x", "y"), rhs K over ("y", "x"): the device order of the two K shards
+# lhs K over ("d", "x"), rhs K over ("x", "d"): the device order of the two K shards
 # differs, so shards contracted together hold different K blocks unless the pass
-# reorders one of them (issue 8, item 1).
+# reorders one of them (issue 8, item 1; found by this fuzzer on commit 1a955e9~1).
 K_ORDERS_DIFFER = DotCase(
-    mesh_shape=(2, 2), mesh_names=("x", "y"), explicit=False,
-    sizes=(("k0", 16), ("m0", 8), ("n0", 8)), lhs_dims=("m0", "k0"), rhs_dims=("k0", "n0"),
-    lhs_axes=((), ("x", "y")), rhs_axes=(("y", "x"), ()), out_axes=None, out_via="jit",
+    mesh_shape=(2, 2, 2), mesh_names=("d", "x", "y"), explicit=False,
+    sizes=(("k0", 16), ("m0", 16), ("n0", 16)), lhs_dims=("m0", "k0"), rhs_dims=("k0", "n0"),
+    lhs_axes=((), ("d", "x")), rhs_axes=(("x", "d"), ("y",)), out_axes=None, out_via="jit",
     dtype="float32", algorithm=None, ksplit=None)
 
 
