@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import re
 
@@ -23,12 +24,18 @@ class Options:
       group) the automatic choice accepts; smaller slices waste matmul efficiency.
     strict: when True, a request a site cannot honour (ksplit, algorithm) is an error
       naming the site instead of a reported fallback.
-    overrides: pin single sites: {site index or "file:line": {"algorithm": ...,
-      "dataflow": ..., "ksplit": ..., "rewrite": bool}}. A pinned request a site cannot
-      honour is always an error naming the site.
+    overrides: pin sites: {key: {"algorithm": ..., "dataflow": ..., "ksplit": ...,
+      "rewrite": bool}}. A key is a site index (int), a source location "file:line"
+      (the user's line; matched as a path suffix, e.g. "model.py:41"), or a module-path
+      glob pattern (fnmatch, matched against the whole path, e.g. "*/MlpBlock_*/Dense_1").
+      Settings merge per key, the more specific key winning: index > file:line > module
+      pattern > plan > the global options. Several patterns matching one site merge; two
+      of them giving one setting different values is an error. A key that matches no
+      site, or a pinned request a site cannot honour, is an error naming it.
     plan: a `Plan` (or the path of a plan JSON file) saved from an earlier run; its
       per-site choices are applied as overrides, matched by site index (program order)
-      and checked against each site's source location.
+      and checked against each site's source location and module path (portable: a plan
+      saved in one checkout or virtualenv applies in another).
     profile: the hardware profile the cost model plans for: a shipped name
       ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"), a profile JSON path, or
       a `meshslice.costmodel.HardwareProfile`.
@@ -89,19 +96,26 @@ class Options:
       raise ValueError(f"strict must be True or False, got {self.strict!r}")
     if self.overrides is not None:
       if not isinstance(self.overrides, dict):
-        raise ValueError("overrides must be a dict {site index or 'file:line': {...}}, got "
+        raise ValueError("overrides must be a dict {site index, 'file:line' or module "
+                         "pattern: {...}}, got "
                          f"{type(self.overrides).__name__}")
       for key, pin in self.overrides.items():
         _validate_override_key(key)
         _validate_pin(f"overrides[{key!r}]", pin)
 
-  def request_for(self, *, index: int, source: str) -> "SiteRequest":
-    """What the user asked for this site: global options, then plan, then overrides."""
+  def request_for(self, *, index: int, source: str, module: str = "") -> "SiteRequest":
+    """What the user asked for this site: global options, then plan, then overrides
+    by module pattern, by 'file:line', by index (each setting from the most specific)."""
     pin = {}
     if self.plan is not None:
       pin.update(self.plan.pin_for(index))
-    for key, value in (self.overrides or {}).items():
-      if key == index or (isinstance(key, str) and _same_location(source, key)):
+    overrides = self.overrides or {}
+    pin.update(_pattern_pin(overrides, index, module))
+    for key, value in overrides.items():
+      if _key_kind(key) == "location" and _same_location(source, key):
+        pin.update(value)
+    for key, value in overrides.items():
+      if _key_kind(key) == "index" and key == index:
         pin.update(value)
     return SiteRequest(
         rewrite=pin.get("rewrite"), dataflow=pin.get("dataflow"),
@@ -141,21 +155,58 @@ def _validate_pin(where: str, pin):
 _SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*args))"
 
 
+def _key_kind(key) -> str:
+  """'index', 'location' ('file:line') or 'module' (a module-path glob pattern)."""
+  if isinstance(key, int) and not isinstance(key, bool):
+    return "index"
+  return "location" if re.fullmatch(r".+:\d+", key) else "module"
+
+
 def _validate_override_key(key):
   if isinstance(key, bool) or not isinstance(key, (int, str)):
-    raise ValueError(f"overrides key {key!r} must be a site index (int) or a source "
-                     f"location 'file:line' (str); {_SEE_SITES}")
+    raise ValueError(f"overrides key {key!r} must be a site index (int), a source location "
+                     f"'file:line' (str) or a module-path pattern (str, e.g. "
+                     f"'*/MlpBlock_*/Dense_1'); {_SEE_SITES}")
   if isinstance(key, int) and key < 0:
     raise ValueError(f"overrides key {key} is negative: site indexes count from 0 in "
                      f"program order; {_SEE_SITES}")
-  if isinstance(key, str) and not re.fullmatch(r".+:\d+", key):
+  if isinstance(key, str) and (not key.strip() or key.strip().isdigit()):
     hint = (f"; for site #{key} use the int {int(key)}" if key.strip().isdigit() else "")
     raise ValueError(f"overrides key {key!r} is neither a site index (int) nor a source "
-                     f"location 'file:line' (e.g. 'model.py:41'){hint}; {_SEE_SITES}")
+                     f"location 'file:line' (e.g. 'model.py:41'){hint}; {_SEE_SITES} "
+                     "(a str key that is not 'file:line' is a module-path pattern such as "
+                     "'*/MlpBlock_*/Dense_1')")
 
 
-def _location_matches(sites, key: str) -> list:
-  return [s for s in sites if _same_location(s.source, key)]
+def _module_matches(module: str, pattern: str) -> bool:
+  return bool(module) and fnmatch.fnmatchcase(module, pattern)
+
+
+def _pattern_pin(overrides: dict, index: int, module: str) -> dict:
+  """The merged pins of the module patterns matching `module`; an error when two of them
+  give one setting different values."""
+  pin, origin = {}, {}
+  for key, value in overrides.items():
+    if _key_kind(key) != "module" or not _module_matches(module, key):
+      continue
+    for name, setting in value.items():
+      if name in pin and pin[name] != setting:
+        raise ValueError(
+            f"overrides[{origin[name]!r}] and overrides[{key!r}] both match site #{index} "
+            f"(module {module}) and pin {name} differently ({pin[name]!r} vs {setting!r}); "
+            "narrow the patterns, or pin the site by index or 'file:line', which take "
+            f"precedence over module patterns; {_SEE_SITES}")
+      pin[name], origin[name] = setting, key
+  return pin
+
+
+def _matching_sites(sites, key) -> list:
+  kind = _key_kind(key)
+  if kind == "index":
+    return [s for s in sites if s.index == key]
+  if kind == "location":
+    return [s for s in sites if _same_location(s.source, key)]
+  return [s for s in sites if _module_matches(getattr(s, "module", ""), key)]
 
 
 def check_overrides(options: Options, sites) -> None:
@@ -163,15 +214,21 @@ def check_overrides(options: Options, sites) -> None:
   cannot rewrite (a pinned request is never dropped silently)."""
   indexes = f"0..{len(sites) - 1}" if sites else "none"
   for key, pin in (options.overrides or {}).items():
-    if isinstance(key, int):
-      matched = [s for s in sites if s.index == key]
-    else:
-      matched = _location_matches(sites, key)
+    matched = _matching_sites(sites, key)
     if not matched:
-      what = f"site index {key}" if isinstance(key, int) else f"source location {key!r}"
+      kind = _key_kind(key)
+      what = {"index": f"site index {key}", "location": f"source location {key!r}",
+              "module": f"module pattern {key!r}"}[kind]
+      hint = ""
+      if kind == "module":
+        modules = sorted({s.module for s in sites if getattr(s, "module", "")})
+        hint = (f"; the module paths are {', '.join(modules[:6])}"
+                f"{', ...' if len(modules) > 6 else ''} (a pattern must match the whole "
+                "path: start it with '*/')" if modules else
+                "; no matmul of this program has a module path")
       raise ValueError(
           f"overrides[{key!r}]: {what} matches no matmul of this program (it has "
-          f"{len(sites)} site{'s' if len(sites) != 1 else ''}, indexes {indexes}); "
+          f"{len(sites)} site{'s' if len(sites) != 1 else ''}, indexes {indexes}){hint}; "
           f"{_SEE_SITES}")
     _check_pinned(f"overrides[{key!r}]", pin, matched)
   plan = options.plan
@@ -183,8 +240,9 @@ def check_overrides(options: Options, sites) -> None:
 
 
 def _check_pinned(where: str, pin: dict, sites) -> None:
-  """A pin on one site (an index) must be honoured; a pin on a source line holding several
-  matmuls must be honoured by at least one of them (the others keep their reasons)."""
+  """A pin on one site (an index) must be honoured; a pin on a source line or module
+  pattern matching several matmuls must be honoured by at least one of them (the others
+  keep their reasons)."""
   asked = {k: v for k, v in pin.items() if k in ("algorithm", "dataflow", "ksplit")
            and v is not None}
   if pin.get("rewrite") is True:
@@ -200,4 +258,12 @@ def _check_pinned(where: str, pin: dict, sites) -> None:
 
 
 def _same_location(source: str, wanted: str) -> bool:
-  return bool(source) and (source == wanted or source.endswith("/" + wanted))
+  """`source` ('file:line', portable) is `wanted`, or ends with it after a '/'; an
+  absolute `wanted` is first made portable the same way."""
+  if not source:
+    return False
+  if os.path.isabs(wanted.rsplit(":", 1)[0]):
+    from ._jax_internals import portable_path
+    file, line = wanted.rsplit(":", 1)
+    wanted = f"{portable_path(file)}:{line}"
+  return source == wanted or source.endswith("/" + wanted)

@@ -16,7 +16,7 @@ import os
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
-             "ksplit": (int, type(None)), "rewrite": bool,
+             "ksplit": (int, type(None)), "rewrite": bool, "module": str,
              "predicted_seconds": (float, int, type(None)),
              "baseline_seconds": (float, int, type(None))}
 VERSION = 1
@@ -27,7 +27,10 @@ class Plan:
   """Per-site decisions of one program on one mesh.
 
   `sites` holds one dict per dot_general: index, path (position in the nested jaxpr),
-  source, rewritten, algorithm, dataflow, ksplit (and predictions when known).
+  source, module, rewritten, algorithm, dataflow, ksplit (and predictions when known).
+  `source` is portable ('file:line' relative to the project, or 'package/path.py:line'
+  for installed code) and `module` is the module path, so a plan saved on one host
+  applies on every host running the same program from another folder or virtualenv.
   """
 
   mesh_shape: dict
@@ -39,7 +42,8 @@ class Plan:
     for s in report.sites:
       entry = {"index": s.index, "path": [list(p) if isinstance(p, tuple) else p
                                           for p in s.path],
-               "source": s.source, "rewritten": s.rewritten, "algorithm": s.algorithm,
+               "source": s.source, "module": getattr(s, "module", ""),
+               "rewritten": s.rewritten, "algorithm": s.algorithm,
                "dataflow": s.dataflow, "ksplit": s.ksplit}
       for name in ("predicted_seconds", "baseline_seconds"):
         value = getattr(s, name, None)
@@ -158,14 +162,34 @@ class Plan:
     here = {s.index: s for s in sites}
     for entry in self.sites:
       site = here.get(entry["index"])
-      if site is None or site.source != entry["source"]:
-        found = f"{site.source!r}" if site else "no matmul"
+      if site is None or not _same_site(entry, site):
+        found = f"{_where(site.source, site.module)}" if site else "no matmul"
         raise ValueError(f"plan does not match this program: site #{entry['index']} was a "
-                         f"matmul at {entry['source']!r}, this program has {found} there; "
-                         "re-plan with meshslice.explain(...).plan")
+                         f"matmul at {_where(entry['source'], entry.get('module', ''))}, this "
+                         f"program has {found} there; re-plan with "
+                         "meshslice.explain(...).plan")
 
 
 _DATAFLOWS = ("os", "ls", "rs", "1d-gather", "1d-scatter")
+
+
+def _where(source: str, module: str = "") -> str:
+  return f"{source!r}" + (f" (module {module})" if module else "")
+
+
+def _same_site(entry: dict, site) -> bool:
+  """Whether plan `entry` describes `site`: the same module path (when both have one)
+  and the same source, compared as portable paths; a path that is a '/'-suffix of the
+  other matches (a plan saved with absolute paths, or from another project root), and
+  with equal module paths the file name and line suffice."""
+  module, saved = getattr(site, "module", ""), entry.get("module", "")
+  if saved and module and saved != module:
+    return False
+  a, b = entry["source"], site.source
+  if a == b or (a and b and (a.endswith("/" + b) or b.endswith("/" + a))):
+    return True
+  return bool(saved and module and a and b
+              and a.rsplit("/", 1)[-1] == b.rsplit("/", 1)[-1])
 
 
 def _check_entry(where: str, entry: dict) -> None:

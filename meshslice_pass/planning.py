@@ -23,7 +23,7 @@ from . import costing
 from . import matching
 from . import specs as S
 from . import validation
-from ._jax_internals import name_stack, source_location
+from ._jax_internals import module_path, name_stack, source_location
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,10 +32,14 @@ class Site:
 
   `path` locates the equation: indices into nested jaxprs, e.g.
   ((3, "jaxpr", 0), (12, "jaxpr", 0), 5) is eqn 5 of the body of eqn 12 of eqn 3.
+  `source` is the innermost 'file:line' of the user's code (library frames skipped, the
+  file relative to the project: see `_jax_internals.portable_path`); `module` the module
+  path from the JAX name stack, e.g. 'Model/MlpBlock_0/Dense_1' (`module_path`).
   """
   index: int
   path: tuple
   source: str
+  module: str = ""
   context: str
   direction: str
   lhs_shape: tuple
@@ -94,7 +98,8 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
     for (param, branch), sub in A.sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
-            context + [(eqn.primitive.name, "transpose" in name_stack(eqn))], sites)
+            context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
+                        eqn.source_info.name_stack)], sites)
 
 
 def _spec_of(analysis, v):
@@ -147,8 +152,10 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   stack = name_stack(eqn)
   base = dict(
       index=index, path=path, source=source_location(eqn),
-      context=" > ".join(name for name, _ in context) or "top",
-      direction="backward" if "transpose" in stack or any(t for _, t in context) else "forward",
+      module=module_path(eqn, [scope for *_, scope in context]),
+      context=" > ".join(name for name, *_ in context) or "top",
+      direction="backward" if "transpose" in stack or any(t for _, t, *_ in context)
+      else "forward",
       lhs_shape=tuple(lhs.aval.shape), rhs_shape=tuple(rhs.aval.shape),
       lhs_spec=S.describe(lhs_spec), rhs_spec=S.describe(rhs_spec),
       out_spec=S.describe(out_demand), dtype=str(jnp.dtype(out.aval.dtype)),
@@ -159,7 +166,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   if not jnp.issubdtype(out.aval.dtype, jnp.floating):
     return Site(rewritten=False, reason=f"{out.aval.dtype} matmul: only floating-point "
                                         "matmuls are rewritten", **base)
-  request = ctx.options.request_for(index=index, source=base["source"])
+  request = ctx.options.request_for(index=index, source=base["source"], module=base["module"])
   if request.rewrite is False:
     return Site(rewritten=False, reason="left alone as requested (override or plan)", **base)
   found = matching.classify(dimension_numbers, lhs.aval.shape, rhs.aval.shape,

@@ -1,7 +1,9 @@
 """The report of what the pass rewrote, how, and why not."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +37,31 @@ class Report:
   def left_alone(self) -> tuple:
     return tuple(s for s in self.sites if not s.rewritten)
 
+  @property
+  def sliced(self) -> tuple:
+    """Rewritten sites whose communication is cut into slices or steps that overlap
+    computation: ksplit > 1, or a ring/step algorithm (wang, cannon, summa)."""
+    return tuple(s for s in self.rewritten if is_sliced(s))
+
+  @property
+  def collective(self) -> tuple:
+    """Rewritten sites re-emitted as the plain collective algorithm (all-gather, matmul,
+    reduce-scatter; nothing overlapped): what GSPMD would do, in a shard_map."""
+    return tuple(s for s in self.rewritten if not is_sliced(s))
+
+  def reasons(self) -> tuple:
+    """The left-alone sites grouped by reason class: ((label, site indexes), ...),
+    largest group first (ties in program order)."""
+    return reason_groups(self.left_alone)
+
+  def summary(self) -> str:
+    """One line: how many matmuls are sliced, plain collective, left alone (and why)."""
+    alone = self.left_alone
+    why = ", ".join(f"{len(ix)} {label}" for label, ix in self.reasons())
+    return (f"{len(self.sites)} matmul{'s' if len(self.sites) != 1 else ''}: "
+            f"{len(self.sliced)} sliced/overlapped, {len(self.collective)} plain collective, "
+            f"{len(alone)} left alone" + (f" ({why})" if why else ""))
+
   def write_trace(self, path: str) -> None:
     """Write the predicted schedule of every rewritten site (compute stream and each
     mesh axis's link, sites laid end to end) as Chrome/Perfetto trace JSON: open it in
@@ -61,10 +88,10 @@ class Report:
 
   def __str__(self) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items()) or "none"
-    head = (f"meshslice report: {len(self.rewritten)} of {len(self.sites)} matmuls "
-            f"rewritten (mesh {mesh}{', profile ' + self.profile if self.profile else ''})")
-    cols = ("#", "source", "dir", "where", "lhs", "rhs", "out", "plan", "pred us", "coll us",
-            "reason / note")
+    head = (f"meshslice report: mesh {mesh}"
+            f"{', profile ' + self.profile if self.profile else ''}; {self.summary()}")
+    cols = ("#", "source", "module", "dir", "where", "lhs", "rhs", "out", "plan", "pred us",
+            "coll us", "reason / note")
     rows = []
     for s in self.sites:
       if s.rewritten:
@@ -73,7 +100,8 @@ class Report:
         plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {axes}"
       else:
         plan = "left alone"
-      rows.append((str(s.index), _short(s.source), s.direction[:3], s.context,
+      rows.append((str(s.index), s.source, getattr(s, "module", ""), s.direction[:3],
+                   s.context,
                    f"{_shape(s.lhs_shape)} {s.lhs_spec}", f"{_shape(s.rhs_shape)} {s.rhs_spec}",
                    s.out_spec, plan, _us(s.predicted_seconds), _us(s.baseline_seconds),
                    s.reason or s.note))
@@ -86,6 +114,14 @@ class Report:
       lines.append(f"total predicted for the rewritten sites: {pred * 1e6:.1f} us vs "
                    f"{base * 1e6:.1f} us with the collective algorithm "
                    f"({base / pred if pred else 1.0:.2f}x)")
+    groups = self.reasons()
+    if groups:
+      lines.append("left alone, by reason:")
+      by_index = {s.index: s for s in self.left_alone}
+      for label, indexes in groups:
+        example = by_index[indexes[0]].reason
+        lines.append(f"  {len(indexes)} x {label}: sites {_ranges(indexes)}"
+                     + (f" (e.g. {example})" if example != label else ""))
     return "\n".join(lines)
 
 
@@ -97,7 +133,45 @@ def _shape(shape) -> str:
   return "[" + ",".join(map(str, shape)) + "]"
 
 
-def _short(source: str) -> str:
-  if "/" not in source:
-    return source
-  return source.rsplit("/", 1)[1]
+_STEP_ALGORITHMS = ("wang", "cannon", "summa")
+
+
+def is_sliced(site) -> bool:
+  """Whether a rewritten site overlaps communication with computation."""
+  return bool(site.rewritten) and ((site.ksplit or 1) > 1
+                                   or site.algorithm in _STEP_ALGORITHMS)
+
+
+def reason_class(reason: str) -> str:
+  """A left-alone reason without its particulars, to group sites by: the clause before
+  the first ': ', or, when that clause names particulars (axis names, numbers), the
+  clause after it up to the first ',' or ';'; quoted names become '…', numbers N, and
+  bracketed or parenthesised parts are dropped."""
+  reason = reason.strip() or "no reason given"
+  head, _, rest = reason.partition(": ")
+  if rest and re.search(r"['\"\d]", head):
+    head = re.split(r"[,;]", re.sub(r"\([^)]*\)", "", rest), maxsplit=1)[0]
+  head = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", head)
+  head = re.sub(r"\[[^\]]*\]|\([^)]*\)", "", head)
+  head = re.sub(r"\d+", "N", head)
+  return re.sub(r"\s+", " ", head).strip()[:80]
+
+
+def reason_groups(sites) -> tuple:
+  """((reason class, site indexes), ...) of not-rewritten `sites`, largest first."""
+  groups = collections.OrderedDict()
+  for s in sites:
+    groups.setdefault(reason_class(s.reason), []).append(s.index)
+  ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+  return tuple((label, tuple(ix)) for label, ix in ordered)
+
+
+def _ranges(indexes) -> str:
+  out, start = [], None
+  for k, i in enumerate(indexes):
+    if start is None:
+      start = i
+    if k + 1 == len(indexes) or indexes[k + 1] != i + 1:
+      out.append(str(start) if start == i else f"{start}-{i}")
+      start = None
+  return ", ".join(out)

@@ -95,7 +95,8 @@ def test_explain_on_abstract_inputs():
   assert site.lhs_shape == (tokens, hidden) and site.lhs_spec == "P('x', 'y')"
   assert site.reason == ""
   text = str(report)
-  assert "2 of 2 matmuls rewritten" in text and "meshslice os" in text
+  assert "2 matmuls: 2 sliced/overlapped, 0 plain collective, 0 left alone" in text
+  assert "meshslice os" in text and report.sliced == report.sites
 
 
 def test_collective_algorithm_and_forced_ksplit():
