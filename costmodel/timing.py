@@ -18,10 +18,16 @@ Formulas (per device; b = per-device shard in bytes, n = size of the mesh axis):
                 = base_overhead + (n - 1) * b / bandwidth + (n - 1) * hop_latency
     permute     = base_overhead + b / bandwidth + hops * hop_latency       (send/recv)
     all-reduce  = reduce-scatter + all-gather of b / n each    (SUMMA's masked psum)
-    GEMM        = 2 * batch * m * n * k / (peak_flops * efficiency(m, n, k))
+    GEMM        = max(2 * batch * m * n * k / (peak_flops * efficiency(m, n, k)),
+                      HBM bytes / hbm_bandwidth) + op_overhead
+                  (HBM bytes: inputs read once, output written once, or a float32
+                   partial sum read and written when the matmul accumulates)
+    relayout    = 2 * bytes / hbm_bandwidth + op_overhead      (a copy in HBM)
 
 A collective over an axis of size 1 is not issued and costs nothing. Bandwidth,
-latency and overhead are those of the profile dim (0 or 1) the mesh axis is mapped to.
+latency and overhead are those of the profile dim (0 or 1) the mesh axis is mapped to
+(with a topology, `topology.profile_for_mesh` derives those dims for one mesh). The
+whole model, with its sources, is written up in docs/costmodel.md.
 
 The two movements of each dataflow (which matrix goes over which link):
 
@@ -37,7 +43,8 @@ Algorithms (each time model follows the schedule its builder in meshslice.rewrit
 emits; `algorithm_doc(name)` gives the details and assumptions):
 
     collective  GSPMD's all-gather, matmul, reduce-scatter; nothing overlaps; ksplit 1
-    meshslice   ksplit block-cyclic slices, collectives pipelined beside the matmuls
+    meshslice   ksplit block-cyclic slices, collectives pipelined beside the matmuls,
+                one relayout copy per communicated slice
     cannon      square meshes; skew, then neighbour shifts; ksplit chunks per block
     wang        one axis as a ring of permutes (options ring=, bidirectional=), the
                 other a plain collective; ksplit chunks per ring block
