@@ -179,8 +179,20 @@ def check(fn: Callable, *, reference: bool = True, max_reference_bytes: int = 1 
     result = CheckResult(ok=all(l.ok for l in leaves), leaves=tuple(leaves),
                          report=report, reference=why if ref is None else "ran")
     if not result.ok and bisect and report.rewritten:
-      judge = ref if ref is not None else [np.asarray(x) for x in old]
-      result = _bisect(result, fn, options, args, kwargs, judge, tol)
+      # Bisection re-runs the program with sites left alone, which converges to plain
+      # jit: judge by the reference only when plain jit agrees with it.
+      if not result.plain_disagrees_with_reference:
+        judge = ref if ref is not None else [np.asarray(x) for x in old]
+        result = _bisect(result, fn, options, args, kwargs, judge, tol)
+      elif all(l.vs_plain.ok for l in leaves):
+        result = dataclasses.replace(result, note=(
+            "the transformed program agrees with plain jit; both disagree with the "
+            "unsharded reference, so no site is to blame on its own"))
+      else:
+        result = _bisect(result, fn, options, args, kwargs,
+                         [np.asarray(x) for x in old], tol)
+        result = dataclasses.replace(result, note=result.note + " (judged against plain "
+                                     "jit, which itself disagrees with the reference)")
     if verbose:
       print(result)
     return result

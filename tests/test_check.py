@@ -1,5 +1,7 @@
 """meshslice.check: plain vs transformed vs unsharded reference, and bisection to the
 site responsible for a disagreement."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,3 +164,23 @@ def test_check_plain_function_and_pytree_outputs():
   assert result.ok, str(result)
   assert [leaf.path for leaf in result.leaves] == ["['gram']", "['sum']"]
   assert result.leaves[1].shape == ()
+
+
+def test_check_does_not_blame_a_site_when_plain_jit_is_wrong_too(monkeypatch):
+  check_module = importlib.import_module("meshslice.check")   # the function shadows it
+  m = mesh((2, 2))
+  step, (xs, ws) = _mlp_step(m)
+  params, x = _inputs(m, xs, ws, d=16)
+  real = check_module._reference
+
+  def shifted(*a, **k):      # stands in for a GSPMD bug: plain and transformed both off
+    outs, why = real(*a, **k)
+    return [o + 1.0 for o in outs], why
+
+  monkeypatch.setattr(check_module, "_reference", shifted)
+  result = meshslice.check(step)(params, x)
+  assert not result.ok
+  assert result.plain_disagrees_with_reference
+  assert result.culprit is None
+  assert "agrees with plain jit" in result.note
+  assert "plain jax.jit itself disagrees" in str(result)
