@@ -11,6 +11,7 @@ import math
 import jax.numpy as jnp
 
 from meshslice import costmodel
+from meshslice.costmodel.timing import copy_time, permute_time
 
 # Candidates tried in this order; a later one must be strictly faster to win, so ties go
 # to the simpler algorithm and the smaller ksplit.
@@ -64,6 +65,17 @@ def _moves_rhs_free_dim(geometry, n_batch, n_lhs_free) -> bool:
   if geometry.kind == "all_gather":
     return geometry.lhs_dim is None
   return geometry.out_dim >= n_batch + n_lhs_free
+
+
+def reshard_seconds(shape, dtype, new_spec, axis_sizes, profile) -> float:
+  """Predicted time to reshard an operand into `new_spec` before a site, priced
+  conservatively: a reshard that swaps which axis splits which dim is an all-to-all over
+  the whole mesh, so every device's shard crosses both mesh dims, and is packed and
+  unpacked in memory on the way (the TPU compiler emits relayout copies for it)."""
+  devices = math.prod(axis_sizes[a] for entry in new_spec for a in entry)
+  nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize / devices
+  return (sum(permute_time(profile, dim, nbytes) for dim in (0, 1))
+          + 2 * copy_time(profile, nbytes))
 
 
 def predict(problem, profile, algorithm, dataflow, ksplit) -> float:

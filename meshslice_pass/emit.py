@@ -82,11 +82,17 @@ class Emitter:
     traced = self._traced.get(key)
     if traced is None:
       body = build_body(site.algorithm, site.geometry, site.ksplit)
-      mapped = jax.shard_map(
-          body, mesh=self.mesh,
-          in_specs=(S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)),
-          out_specs=S.to_partition_spec(out_spec))
-      traced = self._traced[key] = trace_once(lambda a, b: [mapped(a, b)], lhs, rhs)
+      in_specs = (S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec))
+      mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                             out_specs=S.to_partition_spec(out_spec))
+
+      def call(a, b):
+        # A plan may reshard an operand first (another dataflow pays off). Auto mode:
+        # the shard_map's in_specs make GSPMD do it; Explicit mode: types must match.
+        a, b = (_reshard_explicit(v, spec) for v, spec in zip((a, b), in_specs))
+        return [mapped(a, b)]
+
+      traced = self._traced[key] = trace_once(call, lhs, rhs)
     out, = eval_closed(traced, lhs, rhs)
     if site.swapped:
       out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
@@ -106,6 +112,21 @@ class Emitter:
       jaxpr, consts = closed_or_open, ()
     fun = lambda *a: self.eval(jaxpr, consts, a, prefix_key)
     return retrace(fun, [v.aval for v in jaxpr.invars], jaxpr.debug_info)
+
+
+def _reshard_explicit(value, spec):
+  """Explicit mode: give `value` exactly the type `spec` (a shard_map checks its in_specs
+  against the types, size-1 axes included, which the analysis drops)."""
+  sharding = jax.typeof(value).sharding
+  if (isinstance(sharding, NamedSharding) and _is_explicit(sharding)
+      and _entries(sharding.spec, value.ndim) != _entries(spec, value.ndim)):
+    return jax.sharding.reshard(value, spec)
+  return value
+
+
+def _entries(pspec, ndim):
+  entries = list(pspec) + [None] * (ndim - len(pspec))
+  return tuple(() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries)
 
 
 def _is_explicit(sharding):

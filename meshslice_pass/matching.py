@@ -336,6 +336,57 @@ def geometry_of(match: Match, dimension_numbers, axis_sizes, **dot_params):
                       col_size=axis_sizes.get(match.col_axis, 1), **common)
 
 
+# Where the two axes go in each 2D dataflow, for a site whose output is (M:r, N:c):
+# operand -> group -> "r" or "c" (DESIGN table in docs/design.md).
+_LAYOUTS = {"os": {"lhs": {"M": "r", "K": "c"}, "rhs": {"K": "r", "N": "c"}},
+            "ls": {"lhs": {"M": "r", "K": "c"}, "rhs": {"K": "c", "N": "r"}},
+            "rs": {"lhs": {"M": "c", "K": "r"}, "rhs": {"K": "r", "N": "c"}}}
+
+
+def relayouts(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec, match: Match,
+              axis_sizes) -> list:
+  """The other 2D dataflows that give `match`'s output layout if the operands are
+  resharded first: [(match', lhs_spec', rhs_spec')], each proved by `classify`.
+
+  E.g. an OS site X[M:r, K:c] . W[K:r, N:c] can run as LS once W is resharded to
+  (K:c, N:r): W moves instead of X, which pays when X is the bigger operand."""
+  if match.dataflow not in _LAYOUTS or None in (match.row_axis, match.col_axis):
+    return []
+  lc, rc, lb, rb, lf, rf = _groups(dimension_numbers, len(lhs_shape), len(rhs_shape))
+  out = match.out_spec
+  m_part, n_part = out[len(lb):len(lb) + len(lf)], out[len(lb) + len(lf):]
+  pair = {match.row_axis, match.col_axis}
+  r = next((a for e in m_part for a in e if a in pair), None)
+  c = next((a for e in n_part for a in e if a in pair), None)
+  if r is None or c is None or r == c:
+    return []
+  m_dim = lf[next(i for i, e in enumerate(m_part) if r in e)]
+  n_dim = rf[next(i for i, e in enumerate(n_part) if c in e)]
+  k_pairs = [(a, b) for a, b in zip(lc, rc)
+             if pair & set(lhs_spec[a] + rhs_spec[b])]
+  if len(k_pairs) != 1:
+    return []
+  (lk, rk), = k_pairs
+  dims = {"lhs": {"M": m_dim, "K": lk}, "rhs": {"K": rk, "N": n_dim}}
+  found = []
+  for dataflow, layout in _LAYOUTS.items():
+    if dataflow == match.dataflow:
+      continue
+    specs = {}
+    for operand, spec in (("lhs", lhs_spec), ("rhs", rhs_spec)):
+      entries = [tuple(a for a in e if a not in pair) for e in spec]
+      for group, role in layout[operand].items():
+        entries[dims[operand][group]] += ({"r": r, "c": c}[role],)
+      specs[operand] = tuple(entries)
+    classified = classify(dimension_numbers, lhs_shape, rhs_shape, specs["lhs"],
+                          specs["rhs"], axis_sizes)
+    for m in classified.matches:
+      if m.dataflow == dataflow and m.out_spec == out:
+        found.append((m, specs["lhs"], specs["rhs"]))
+        break
+  return found
+
+
 def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
              axis_sizes: dict) -> Classification:
   """Every dataflow (os/ls/rs/1d) that provably serves this dot_general, or why none does."""

@@ -12,6 +12,7 @@ collective algorithm and the smaller S.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -171,25 +172,76 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
     return Site(rewritten=False, reason="left alone as requested (override or plan)", **base)
   found = matching.classify(dimension_numbers, lhs.aval.shape, rhs.aval.shape,
                             lhs_spec, rhs_spec, ctx.axis_sizes)
-  if request.dataflow is not None and found.matches:
-    wanted = [m for m in found.matches if m.dataflow == request.dataflow]
-    if not wanted:
-      raise ValueError(
-          f"dataflow={request.dataflow!r} cannot serve site #{index} ({base['source']}): its "
-          f"operand layouts allow {', '.join(m.dataflow for m in found.matches)}")
-    found = dataclasses.replace(found, matches=tuple(wanted))
+  pinned = request.dataflow
+  if pinned is not None and found.matches:
+    wanted = [m for m in found.matches if m.dataflow == pinned]
+    found = dataclasses.replace(found, matches=tuple(wanted or found.matches))
   match, reason = matching.choose(found, out_demand)
   if match is None:
     return Site(rewritten=False, reason=reason, **base)
-  base["out_spec"] = S.describe(match.out_spec)
+  plan = functools.partial(_plan_match, eqn, ctx, base, request, dimension_numbers,
+                           lhs.aval, rhs.aval, out.aval)
+  site = plan(match, lhs_spec, rhs_spec)
+  if not site.rewritten:
+    return site
+  # Other dataflows with the same output layout, after resharding an operand: the cost
+  # model picks the dataflow per site (e.g. LS for a matmul whose input is wider than its
+  # output), or the user pinned one the current layouts do not give.
+  options = [site] if pinned in (None, site.dataflow) else []
+  for alt, alt_lhs, alt_rhs in matching.relayouts(
+      dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
+      ctx.axis_sizes):
+    if pinned not in (None, alt.dataflow):
+      continue
+    candidate = plan(alt, alt_lhs, alt_rhs)
+    if not candidate.rewritten:
+      continue
+    moved = [(name, a, b, aval) for name, a, b, aval in
+             (("lhs", lhs_spec, alt_lhs, lhs.aval), ("rhs", rhs_spec, alt_rhs, rhs.aval))
+             if a != b]
+    extra = sum(costing.reshard_seconds(aval.shape, aval.dtype, b, ctx.axis_sizes,
+                                        ctx.options.profile) for _, _, b, aval in moved)
+    how = ", ".join(f"{name} {S.describe(a)} -> {S.describe(b)}" for name, a, b, _ in moved)
+    options.append(dataclasses.replace(
+        candidate, predicted_seconds=candidate.predicted_seconds + extra,
+        baseline_seconds=site.baseline_seconds,
+        lhs_spec=S.describe(alt_lhs), rhs_spec=S.describe(alt_rhs),
+        note=_join(candidate.note, f"{alt.dataflow} instead of {site.dataflow}: reshards "
+                                   f"{how} first (~{extra * 1e6:.0f} us, included); "
+                                   f"{site.predicted_seconds * 1e6:.1f} us as "
+                                   f"{site.dataflow}")))
+  if not options:
+    raise ValueError(
+        f"dataflow={pinned!r} cannot serve site #{index} ({base['source']}): its operand "
+        f"layouts allow {', '.join(sorted({m.dataflow for m in found.matches}))}, and no reshard "
+        f"of the operands gives {pinned!r} with the same output layout")
+  best = options[0]
+  for candidate in options[1:]:
+    # a relayout must win clearly: the model does not see every cost of a reshard
+    if best is site and candidate.predicted_seconds < RELAYOUT_MARGIN * site.predicted_seconds:
+      best = candidate
+    elif best is not site and candidate.predicted_seconds < best.predicted_seconds:
+      best = candidate
+  return best
+
+
+# A dataflow that needs an operand resharded first is chosen only when it is predicted
+# faster than the site's own layout by more than this factor.
+RELAYOUT_MARGIN = 0.9
+
+
+def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match,
+                lhs_spec, rhs_spec):
+  """The site planned as `match` on operands laid out as lhs_spec / rhs_spec."""
+  base = dict(base, out_spec=S.describe(match.out_spec))
   geometry = matching.geometry_of(
       match, dimension_numbers, ctx.axis_sizes, precision=eqn.params.get("precision"),
       preferred_element_type=eqn.params.get("preferred_element_type"),
-      out_dtype=out.aval.dtype)
+      out_dtype=out.dtype)
   mesh_axes = ((match.row_axis,) if match.dataflow.startswith("1d")
                else (match.row_axis, match.col_axis))
   # the gate before emission: what is emitted must provably compute this dot_general
-  why_not = validation.site_reason(geometry, lhs.aval.shape, rhs.aval.shape,
+  why_not = validation.site_reason(geometry, lhs.shape, rhs.shape,
                                    (lhs_spec, rhs_spec, match.out_spec), ctx.axis_sizes)
   if why_not:
     return Site(rewritten=False, reason=f"not provably exact: {why_not}", **base)
@@ -200,8 +252,8 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
         f"communicated extent {match.global_extent} is not divisible by "
         f"{'the axis size' if len(mesh_axes) == 1 else 'lcm(R, C)'} = {geometry.lcm}"),
         **base, **decided)
-  problem = costing.problem_for(geometry, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec,
-                                lhs.aval.dtype, out.aval.dtype, ctx.axis_sizes)
+  problem = costing.problem_for(geometry, lhs.shape, rhs.shape, lhs_spec, rhs_spec,
+                                lhs.dtype, out.dtype, ctx.axis_sizes)
   profile = ctx.options.profile
   flow = costing.model_dataflow(match.dataflow)
   baseline = costing.predict(problem, profile, "collective", flow, 1)

@@ -192,3 +192,18 @@ def test_explicit_types_win_over_out_shardings():
   assert_trees_close(out, (xn @ w1n, xn @ w1n @ w2n))
   assert out[0].sharding.spec == P("y", "x")
   assert [s.lhs_spec for s in report.sites] == ["P('x', 'y')", "P('x', 'y')"]
+
+
+def test_explicit_specs_naming_size_one_axes():
+  # fuzzer finding: the type keeps a size-1 axis the analysis drops; the shard_map's
+  # in_specs must still match the type
+  m = jax.make_mesh((4, 1), ("z", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                    devices=jax.devices()[:4])
+  a, b = _inputs((8, 16), (16,))
+  x = jax.device_put(a, NamedSharding(m, P("z", None)))
+  w = jax.device_put(b, NamedSharding(m, P(("z", "y"))))
+  f = jax.jit(lambda a, b: a @ b)
+  with jax.set_mesh(m):
+    out = meshslice.transform(f)(x, w)
+    assert meshslice.explain(f)(x, w).sites[0].rewritten
+  assert_trees_close(out, a @ b)
