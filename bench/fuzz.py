@@ -82,7 +82,10 @@ def run(n, seed_value, kind, compare_plain):
     if len(outcomes) % 50 == 0:
       print(f"# {len(outcomes)} examples", file=sys.stderr, flush=True)
 
-  body()
+  try:
+    body()
+  except KeyboardInterrupt:    # Ctrl-C: report what ran so far
+    print(f"# interrupted after {len(outcomes)} examples", file=sys.stderr)
   return outcomes
 
 
