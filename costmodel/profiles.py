@@ -62,6 +62,10 @@ UNITS = {
     "hbm_bandwidth": "bytes/s per chip (0: no memory roofline)",
     "hbm_capacity": "bytes per chip (0: unknown, memory not checked)",
     "op_overhead": "seconds per local op (matmul slice, relayout copy)",
+    "accumulate_bytes": "HBM bytes per output element a matmul slice moves to add into a "
+                        "float32 partial sum (8: read + write, fused into the matmul)",
+    "accumulate_fused": "true: that traffic overlaps the matmul (TPU output fusion); false: "
+                        "it is a separate pass after it (XLA GPU)",
     "topology": "optional: the network (torus: link_bandwidth bytes/s one way per link, "
                 "efficiency of all_gather / reduce_scatter / permute; islands: island_size "
                 "devices per node); per-axis bandwidth derived from it, see "
@@ -69,7 +73,8 @@ UNITS = {
 }
 
 # Optional scalar fields (absent in older files): name -> default.
-_OPTIONAL = {"hbm_bandwidth": 0.0, "hbm_capacity": 0.0, "op_overhead": 0.0}
+_OPTIONAL = {"hbm_bandwidth": 0.0, "hbm_capacity": 0.0, "op_overhead": 0.0,
+             "accumulate_bytes": 8.0}
 
 
 def _check_number(value, where: str, *, positive: bool, at_most: float | None = None):
@@ -162,6 +167,10 @@ class HardwareProfile:
       bytes / hbm_bandwidth (0: no roofline term).
     hbm_capacity: bytes of HBM per chip (0: unknown; memory feasibility not checked).
     op_overhead: fixed seconds per local op (each matmul slice, each relayout copy).
+    accumulate_bytes, accumulate_fused: the HBM bytes per output element a matmul slice
+      moves to add into a float32 partial sum, and whether that traffic overlaps the
+      matmul (True: a fused output, as the TPU compiler does) or follows it (False: a
+      separate pass, as measured with XLA on an H200: ~16 bytes per element).
     sources: where the numbers come from, one entry per fact.
     topology: the interconnect's geometry (`topology.Topology`), from which
       `topology.profile_for_mesh` derives per-mesh-axis bandwidths; None: the two
@@ -188,6 +197,8 @@ class HardwareProfile:
   op_overhead: float = 0.0
   sources: tuple[str, ...] = ()
   topology: Topology | None = None
+  accumulate_bytes: float = 8.0
+  accumulate_fused: bool = True
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -207,6 +218,9 @@ class HardwareProfile:
     if isinstance(self.sources, str) or not all(isinstance(x, str) for x in self.sources):
       raise ValueError(f"field 'sources' must be a list of strings, got {self.sources!r}")
     object.__setattr__(self, "sources", tuple(self.sources))
+    if not isinstance(self.accumulate_fused, bool):
+      raise ValueError(f"field 'accumulate_fused' must be true or false, got "
+                       f"{self.accumulate_fused!r}")
     if self.topology is not None and not isinstance(self.topology, Topology):
       raise ValueError("field 'topology' must be a Topology or None")
 
@@ -232,6 +246,7 @@ class HardwareProfile:
                             "k_sat": self.gemm.k_sat},
         "overlap": self.overlap,
         **{key: getattr(self, key) for key in _OPTIONAL},
+        "accumulate_fused": self.accumulate_fused,
         "sources": list(self.sources),
         **({} if self.topology is None else {"topology": self.topology.to_json_dict()}),
     }
@@ -284,6 +299,9 @@ def profile_from_json_dict(data) -> HardwareProfile:
   for key, default in _OPTIONAL.items():      # optional: older files predate them
     extra[key] = data.get(key, default)
     _check_number(extra[key], key, positive=False)
+  fused = data.get("accumulate_fused", True)
+  if not isinstance(fused, bool):
+    raise ValueError(f"field 'accumulate_fused' must be true or false, got {fused!r}")
   sources = data.get("sources", [])
   if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
     raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
@@ -295,7 +313,7 @@ def profile_from_json_dict(data) -> HardwareProfile:
       raise ValueError(f"field 'topology': {e}") from None
   return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
                          description=description, overlap=overlap, sources=tuple(sources),
-                         topology=topology, **extra, **params)
+                         topology=topology, accumulate_fused=fused, **extra, **params)
 
 
 def _builtin_dir():

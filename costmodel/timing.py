@@ -266,10 +266,14 @@ def gemm_time(profile: HardwareProfile, m: float, n: float, k: float, batch: int
         + op_overhead
 
   hbm_bytes = batch * ((m * k + k * n) * in_bytes + m * n * y_bytes): each input read
-  once, the output written once (y_bytes = out_bytes), or, when the matmul adds into a
+  once, the output written once (y_bytes = out_bytes). When the matmul adds into a
   float32 partial sum that lives in HBM (`accumulate`: a slice of a sliced contraction,
-  or a partial sum received from a neighbour), read and written (y_bytes = 4 + 4).
-  The memory term is left out when the profile has no hbm_bandwidth (0).
+  or a partial sum received from a neighbour), y_bytes = profile.accumulate_bytes (8:
+  read and write it) if the profile's accumulation is fused into the matmul; if it is
+  not (accumulate_fused false, XLA on GPU), the matmul's output is not counted in the
+  max and batch * m * n * accumulate_bytes / hbm_bandwidth is *added* after it (the
+  separate add pass). The memory terms are left out when the profile has no
+  hbm_bandwidth (0).
 
   Batch dims multiply the work but do not improve efficiency (conservative).
 
@@ -287,9 +291,12 @@ def gemm_time(profile: HardwareProfile, m: float, n: float, k: float, batch: int
     return 0.0
   compute = 2.0 * batch * m * n * k / (profile.peak_flops * profile.gemm(m, n, k))
   if profile.hbm_bandwidth > 0:
-    y_bytes = 8 if accumulate else out_bytes
+    fused = accumulate and profile.accumulate_fused
+    y_bytes = profile.accumulate_bytes if fused else 0 if accumulate else out_bytes
     moved = batch * ((m * k + k * n) * in_bytes + m * n * y_bytes)
     compute = max(compute, moved / profile.hbm_bandwidth)
+    if accumulate and not fused:      # a separate pass: product out, partial sum in / out
+      compute += batch * m * n * profile.accumulate_bytes / profile.hbm_bandwidth
   return compute + profile.op_overhead
 
 

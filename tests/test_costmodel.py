@@ -816,3 +816,38 @@ def test_malformed_topology(tmp_path, edit, message):
   with pytest.raises(ValueError) as e:
     load_profile(path)
   assert message in str(e.value)
+
+
+# Measured on one H200 with JAX 0.11.2 (python bench/gemm_slicing.py
+# --shapes=16384x4608x12288,8192x8192x8192 --ksplits=1,2,4,8,16,32,64,128): seconds of S
+# K-slices of a bf16 matmul, each added into a float32 accumulator.
+H200_OS = {(16384, 4608, 12288): (2.814e-3, 3.240e-3, 3.593e-3, 4.799e-3, 6.664e-3, 10.800e-3,
+                                  19.840e-3, 39.149e-3),
+           (8192, 8192, 8192): (1.768e-3, 2.372e-3, 2.449e-3, 3.430e-3, 5.280e-3, 9.162e-3,
+                                17.619e-3, 33.474e-3)}
+
+
+def test_sliced_accumulation_matches_gpu_measurements():
+  # the h100 profile with the H200's measured copy bandwidth (4.3e12 B/s): same SMs
+  h200 = dataclasses.replace(load_profile("h100"), hbm_bandwidth=4.3e12)
+  for (m, n, k), measured in H200_OS.items():
+    for s, seconds in zip((1, 2, 4, 8, 16, 32, 64, 128), measured):
+      predicted = s * gemm_time(h200, m, n, k / s, accumulate=s > 1)
+      assert 0.85 < predicted / seconds < 1.2, (m, n, k, s, predicted, seconds)
+  # the TPU profile fuses the accumulation into the matmul: thin slices are HBM-bound
+  # (max), not compute + a separate pass
+  v4 = load_profile("tpu-v4")
+  assert v4.accumulate_fused and not load_profile("h100").accumulate_fused
+  fused = gemm_time(v4, 4096, 2048, 2048, accumulate=True)
+  assert fused == approx(max(2 * 4096 * 2048 * 2048 / (2.75e14 * 0.92),
+                             ((4096 + 2048) * 2048 * 2 + 4096 * 2048 * 8) / 1.2e12) + 3.5e-6)
+
+
+def test_accumulate_fields_validate(tmp_path):
+  data = load_profile("h100").to_json_dict()
+  assert (data["accumulate_bytes"], data["accumulate_fused"]) == (16.0, False)
+  data["accumulate_fused"] = "no"
+  path = tmp_path / "p.json"
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="field 'accumulate_fused' must be true or false"):
+    load_profile(path)
