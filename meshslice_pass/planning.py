@@ -194,7 +194,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
     if pinned not in (None, alt.dataflow):
       continue
     candidate = plan(alt, alt_lhs, alt_rhs)
-    if not candidate.rewritten:
+    if not candidate.rewritten or not _honours(candidate, request, site):
       continue
     moved = [(name, a, b, aval) for name, a, b, aval in
              (("lhs", lhs_spec, alt_lhs, lhs.aval), ("rhs", rhs_spec, alt_rhs, rhs.aval))
@@ -223,6 +223,14 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
     elif best is not site and candidate.predicted_seconds < best.predicted_seconds:
       best = candidate
   return best
+
+
+def _honours(candidate, request, site) -> bool:
+  """Whether a relayout candidate gives what the user asked for as exactly as the site's
+  own layout does (it must not win by falling back to another algorithm or ksplit)."""
+  if request.algorithm is not None and candidate.algorithm != site.algorithm:
+    return False
+  return request.ksplit is None or candidate.ksplit == site.ksplit
 
 
 # A dataflow that needs an operand resharded first is chosen only when it is predicted
