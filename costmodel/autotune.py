@@ -537,7 +537,9 @@ class MeshResult:
   `reason` is "" when the shape can run every GEMM (and, when memory is checked, fits);
   otherwise it says why not and the costs are zero. `memory` is the per-chip memory
   estimate (None when not checked). `axes` says where each mesh axis lies on the
-  network (topology-derived bandwidths; empty when the profile dims were used). `baseline_reason` says why the collective
+  network (topology-derived bandwidths; empty when the profile dims were used), and
+  `profile` is the profile the shape was predicted with (topology applied), for
+  re-deriving its schedules. `baseline_reason` says why the collective
   algorithm could not run this shape ("" when it can), e.g. its buffers do not fit.
 
   Example:
@@ -556,6 +558,7 @@ class MeshResult:
   memory: MemoryEstimate | None = None
   baseline_reason: str = ""
   axes: tuple[str, ...] = ()
+  profile: HardwareProfile | None = None
 
   @property
   def feasible(self) -> bool:
@@ -757,7 +760,7 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
                     cost=sum((lc.choice.cost for lc in layers), Cost()),
                     baseline=sum((lc.choice.baseline for lc in layers), Cost()),
                     bound=bound, memory=memory, baseline_reason="; ".join(baseline_reasons),
-                    axes=axes)
+                    axes=axes, profile=profile)
 
 
 ASSUMPTIONS = ("ours", "paper")

@@ -222,7 +222,8 @@ def main(argv=None) -> int:
   print(render(rec, best_only=args.best_only))
   if args.trace:
     scheds = [(lc.label, schedule(lc.problem, lc.choice.algorithm, lc.choice.dataflow,
-                                  lc.choice.ksplit, profile, **dict(lc.choice.options)))
+                                  lc.choice.ksplit, rec.best.profile,
+                                  **dict(lc.choice.options)))
               for lc in rec.best.layers]
     write_trace(args.trace, trace_events(
         scheds, process_name=f"{rec.model.name} on {rec.best_shape} ({rec.profile}), predicted"))

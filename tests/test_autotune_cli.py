@@ -2,6 +2,8 @@
 import json
 import time
 
+import pytest
+
 from meshslice.costmodel.autotune import recommend_mesh
 from meshslice.costmodel.cli import main
 
@@ -133,3 +135,16 @@ def test_autotune_compare(capsys):
     assert f"{(r.layer_s / ms.layer_s - 1) * 100:+.1f}%" in lines[name]
   assert ms.other_s > 0 and ms.layer_s == ms.ff_s + ms.other_s
   assert "other work per layer (attention core, elementwise)" in out
+
+
+def test_trace_uses_the_profile_the_shape_was_predicted_with(tmp_path, capsys):
+  trace = tmp_path / "t.json"
+  assert main(["autotune", "--model", "gpt3", "--chips", "256", "--no-memory-check",
+               "--best-only", "--trace", str(trace)]) == 0
+  capsys.readouterr()
+  rec = recommend_mesh(256, model="gpt3", check_memory=False)
+  assert rec.best.profile.name == f"tpu-v4@{rec.best_shape[0]}x{rec.best_shape[1]}"
+  events = json.loads(trace.read_text())["traceEvents"]
+  sites = [e for e in events if e["ph"] == "X" and e["tid"] == 3]
+  total_us = sum(e["dur"] for e in sites)
+  assert total_us == pytest.approx(rec.best.cost.total_s * 1e6, rel=1e-6)
