@@ -160,6 +160,10 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
       else:
         rest, m_cur, part = pipeline_barrier((m[s + 2:], m_next, part))
       m = m[:s + 2] + rest
+    elif pieces:
+      # the last partial waits for the previous slice's reduce-scatter, else XLA combines
+      # the two trailing reduce-scatters into one collective (seen on TPU with S = 2)
+      part, pieces[-1] = pipeline_barrier((part, pieces[-1]))
     pending = part
   pieces.append(scatter(pending))
   out = assemble_slices(pieces, g.out_dim, block)
