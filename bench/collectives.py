@@ -40,7 +40,7 @@ _OUT = flags.DEFINE_string("out", None, "write JSON lines here (one per timing, 
 
 def run(shape, *, sizes_bytes, kinds, group_sizes, dtype, loops, repeats):
   """(samples, fits) on the first R * C devices."""
-  from meshslice import calibrate
+  from meshslice.costmodel import calibrate
   devices = calibrate.mesh_devices(shape)
   samples = calibrate.measure_collectives(devices, kinds=kinds, sizes_bytes=sizes_bytes,
                                           dtype=dtype, group_sizes=group_sizes, loops=loops,
@@ -86,7 +86,7 @@ def main(argv):
       print(f"{r['kind']:<15}{r['dim']:>4}{r['group']:>5}{r['hops']:>5}"
             f"{r['shard_bytes'] / 1024:>11.1f}{r['seconds'] * 1e6:>13.1f}"
             f"{r['bandwidth_Bps'] / 1e9:>8.2f}{r['predicted_seconds'] * 1e6:>10.1f}")
-  from meshslice.calibrate import render_fits
+  from meshslice.costmodel.calibrate import render_fits
   print(render_fits(fits, None))
   if _OUT.value:
     cluster.write_jsonl(_OUT.value, rows)

@@ -144,7 +144,7 @@ def summarize(rows) -> dict:
     >>> round(s["spearman_all"], 3), s["top1_agreement"]
     (0.5, 1.0)
   """
-  from meshslice.calibrate import spearman
+  from meshslice.costmodel.calibrate import spearman
   sites = {}
   for r in rows:
     sites.setdefault((r["m"], r["n"], r["k"], r["dataflow"]), []).append(r)
@@ -166,7 +166,7 @@ def summarize(rows) -> dict:
 
 
 def render(rows, summary) -> str:
-  from meshslice.calibrate import rank
+  from meshslice.costmodel.calibrate import rank
   lines = [f"{'site':<18}{'plan':<16}{'measured us':>12}{'predicted us':>13}"
            f"{'rank m/p':>10}"]
   sites = {}

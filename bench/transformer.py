@@ -278,7 +278,7 @@ def render(records) -> str:
                  f"{r['predicted_step_s'] * 1e3:>9.3f}{ratio('collective_bytes'):>9.2f}"
                  f"{ratio('temp_bytes'):>8.2f}  "
                  + ", ".join(f"{k} x{v}" for k, v in r["plans"].items()))
-  from meshslice.calibrate import spearman
+  from meshslice.costmodel.calibrate import spearman
   rho = spearman([r["step_s"] for r in records], [r["predicted_step_s"] for r in records])
   lines.append(f"spearman(measured, predicted) over the {len(records)} variants: {rho:.2f}")
   return "\n".join(lines)

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     return cli.main(["autotune"] + args)
 
   def calibrate(args):
-    from . import calibrate as calibration
+    from .costmodel import calibrate as calibration
     return calibration.main(args)
 
   def aot(args):

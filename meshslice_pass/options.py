@@ -6,7 +6,8 @@ import fnmatch
 import os
 import re
 
-from meshslice.rewrites import ALGORITHMS
+from .plan import Plan
+from .pins import validate_algorithm, validate_count, validate_pin
 
 DEFAULT_PROFILE = "tpu-v4"
 
@@ -59,7 +60,6 @@ class Options:
                         f"{', '.join(allowed)}")
     plan = kwargs.get("plan")
     if plan is not None:
-      from .plan import Plan
       if isinstance(plan, (str, os.PathLike)):
         kwargs = dict(kwargs, plan=Plan.load(plan))
       elif not isinstance(plan, Plan):
@@ -81,17 +81,9 @@ class Options:
     return opts
 
   def validate(self):
-    if self.algorithm is not None and self.algorithm not in ALGORITHMS:
-      raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))} "
-                       f"(or None for automatic), got {self.algorithm!r}")
+    validate_algorithm(self.algorithm)
     for name in ("ksplit", "max_ksplit", "min_block"):
-      value = getattr(self, name)
-      if value is None and name == "ksplit":
-        continue
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        hint = " or None for automatic" if name == "ksplit" else ""
-        raise ValueError(f"{name} must be a positive int (1 = no slicing){hint}, "
-                         f"got {value!r}")
+      validate_count(name, getattr(self, name), automatic_allowed=name == "ksplit")
     if not isinstance(self.strict, bool):
       raise ValueError(f"strict must be True or False, got {self.strict!r}")
     if self.overrides is not None:
@@ -101,7 +93,7 @@ class Options:
                          f"{type(self.overrides).__name__}")
       for key, pin in self.overrides.items():
         _validate_override_key(key)
-        _validate_pin(f"overrides[{key!r}]", pin)
+        validate_pin(f"overrides[{key!r}]", pin)
 
   def request_for(self, *, index: int, source: str, module: str = "") -> "SiteRequest":
     """What the user asked for this site: global options, then plan, then overrides
@@ -132,24 +124,6 @@ class SiteRequest:
   dataflow: str | None = None
   ksplit: int | None = None
   strict: bool = False
-
-
-_PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite")
-
-
-def _validate_pin(where: str, pin):
-  if not isinstance(pin, dict):
-    raise ValueError(f"{where} must be a dict with keys from {', '.join(_PIN_KEYS)}, got "
-                     f"{type(pin).__name__}")
-  for name, value in pin.items():
-    if name not in _PIN_KEYS:
-      raise ValueError(f"{where} has unknown key {name!r}; allowed: {', '.join(_PIN_KEYS)}")
-  Options(algorithm=pin.get("algorithm"), ksplit=pin.get("ksplit")).validate()
-  if pin.get("dataflow") not in (None, "os", "ls", "rs"):
-    raise ValueError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
-                     f"{pin['dataflow']!r}")
-  if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
-    raise ValueError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")
 
 
 _SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*args))"

@@ -14,6 +14,8 @@ import dataclasses
 import json
 import os
 
+from .pins import validate_pin
+
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
              "ksplit": (int, type(None)), "rewrite": bool, "module": str,
@@ -114,14 +116,13 @@ class Plan:
   # -- editing and applying
   def edit(self, index: int, **pin) -> "Plan":
     """A copy with site `index` pinned: algorithm=, dataflow=, ksplit=, rewrite=."""
-    from .options import _validate_pin
     where = f"Plan.edit(site {index!r})"
     for name, value in pin.items():
       if value is None:
         raise ValueError(f"{where}: {name}=None cannot be pinned; give a value (ksplit: a "
                          "positive int, algorithm: a name, dataflow: 'os'/'ls'/'rs', "
                          "rewrite: True/False), or leave the key out")
-    _validate_pin(where, pin)
+    validate_pin(where, pin)
     if not any(e["index"] == index for e in self.sites):
       indexes = ", ".join(str(e["index"]) for e in self.sites) or "none"
       raise ValueError(f"the plan has no site #{index!r} (it has {len(self.sites)} sites: "

@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import calibrate, demo
+from meshslice import demo
+from meshslice.costmodel import calibrate
 from meshslice.costmodel import (GemmEfficiency, GemmProblem, load_profile, predict,
                                  save_profile)
 from meshslice.hlo import collective_stats

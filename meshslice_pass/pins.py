@@ -1,0 +1,48 @@
+"""What a user may pin on a site, and its validation: shared by `options` (global options,
+overrides) and `plan` (saved plans, `Plan.edit`), which otherwise do not depend on each
+other.
+
+Example:
+  >>> validate_pin("overrides[3]", {"ksplit": 2, "dataflow": "ls"})
+  >>> validate_pin("overrides[3]", {"slices": 2})
+  Traceback (most recent call last):
+  ...
+  ValueError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow, ksplit, rewrite
+"""
+from __future__ import annotations
+
+from meshslice.rewrites import ALGORITHMS
+
+PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite")
+
+
+def validate_algorithm(value) -> None:
+  if value is not None and value not in ALGORITHMS:
+    raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))} "
+                     f"(or None for automatic), got {value!r}")
+
+
+def validate_count(name: str, value, *, automatic_allowed: bool = False) -> None:
+  """ksplit / max_ksplit / min_block: a positive int (None = automatic where allowed)."""
+  if value is None and automatic_allowed:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    hint = " or None for automatic" if automatic_allowed else ""
+    raise ValueError(f"{name} must be a positive int (1 = no slicing){hint}, got {value!r}")
+
+
+def validate_pin(where: str, pin) -> None:
+  """A per-site pin {algorithm, dataflow, ksplit, rewrite}; `where` names it in errors."""
+  if not isinstance(pin, dict):
+    raise ValueError(f"{where} must be a dict with keys from {', '.join(PIN_KEYS)}, got "
+                     f"{type(pin).__name__}")
+  for name in pin:
+    if name not in PIN_KEYS:
+      raise ValueError(f"{where} has unknown key {name!r}; allowed: {', '.join(PIN_KEYS)}")
+  validate_algorithm(pin.get("algorithm"))
+  validate_count("ksplit", pin.get("ksplit"), automatic_allowed=True)
+  if pin.get("dataflow") not in (None, "os", "ls", "rs"):
+    raise ValueError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
+                     f"{pin['dataflow']!r}")
+  if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
+    raise ValueError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")
