@@ -742,10 +742,10 @@ def main(argv=None) -> int:
   collectives = (f"collectives measured: {', '.join(kinds_done)}{others}, shard sizes "
                  f"{args.sizes_kib} KiB; where only one ring size was timed, base overhead "
                  "and hop latency split the fitted intercept by the hop_ratio rule "
-                 "(meshslice/calibrate.py)" if fits else
+                 "(meshslice/costmodel/calibrate.py)" if fits else
                  f"collectives not measured: taken from {base.name}")
   description = (
-      f"Calibrated by meshslice.calibrate on {n} x {kind_name} ({platform}), mesh "
+      f"Calibrated by meshslice.costmodel.calibrate on {n} x {kind_name} ({platform}), mesh "
       f"{shape[0]}x{shape[1]}, {args.dtype}, jax {jax.__version__}; {collectives}; GEMM "
       f"slices {args.gemm_min}..{args.gemm_base}"
       + (f", peak_flops given ({args.peak_flops:g})." if args.peak_flops else
