@@ -244,22 +244,22 @@ PHASES = tuple((phase, dataflow) for phase, dataflow, _ in LAYOUTS["os"])
 
 # How evaluate_mesh picks each layer's layout:
 #   model  every layout in LAYOUTS, the one with the lowest predicted time wins
-#   paper  the original autotuner's rule: os when the output is at least as wide as the
-#          input (d_out >= d_in), ls otherwise
+#   paper  the original autotuner's rule: os when the output is wider than the input
+#          (d_out > d_in), ls otherwise
 #   os     the forward matmul always output-stationary (the fixed per-phase dataflows)
 DATAFLOW_POLICIES = ("model", "paper", "os")
 
 
 def paper_layout(d_in: int, d_out: int) -> str:
   """The original MeshSlice autotuner's dataflow rule for a layer d_in -> d_out (with
-  more tokens than either width): output-stationary when the output is the bigger
-  operand, lhs-stationary otherwise.
+  more tokens than either width): output-stationary when the output is strictly the
+  bigger operand, lhs-stationary otherwise (so a square layer, attention-out, is ls).
 
   Example:
-    >>> paper_layout(12288, 49152), paper_layout(49152, 12288)
-    ('os', 'ls')
+    >>> paper_layout(12288, 49152), paper_layout(49152, 12288), paper_layout(64, 64)
+    ('os', 'ls', 'ls')
   """
-  return "os" if d_out >= d_in else "ls"
+  return "os" if d_out > d_in else "ls"
 
 
 def model_spec(model: str | ModelSpec, *, heads: int | None = None,
@@ -498,6 +498,22 @@ def mesh_shapes(chips: int) -> tuple[tuple[int, int], ...]:
     raise ValueError(f"chips={chips} has no 2D mesh shape (R * C = {chips} with R, C >= 2): "
                      f"{why}; use a composite chip count such as {suggestion}")
   return shapes
+
+
+def paper_mesh_shapes(chips: int) -> tuple[tuple[int, int], ...]:
+  """The mesh shapes the original autotuner searches: (4, P/4), (8, P/8), ... while both
+  sides are at least 4 (rows doubling); `mesh_shapes(chips)` when there are none.
+
+  Example:
+    >>> paper_mesh_shapes(256), paper_mesh_shapes(32)
+    (((4, 64), (8, 32), (16, 16), (32, 8), (64, 4)), ((4, 8), (8, 4)))
+  """
+  _check_chips(chips)
+  shapes, rows = [], 4
+  while chips % rows == 0 and chips // rows >= 4:
+    shapes.append((rows, chips // rows))
+    rows *= 2
+  return tuple(shapes) or mesh_shapes(chips)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -800,8 +816,9 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
   """Evaluate every 2D mesh shape of `chips` (see `mesh_shapes`) for the FF GEMMs of
   `model` and pick the fastest feasible one (ties: the smaller R).
 
-  assume: "ours" (the profile as given; dataflow_policy default "model") or "paper"
-  (`paper_assumptions(profile)`, dataflow_policy default "paper", memory not checked).
+  assume: "ours" (the profile as given; dataflow_policy default "model"; every shape of
+  `mesh_shapes`) or "paper" (`paper_assumptions(profile)`, dataflow_policy default
+  "paper", memory not checked, the original's shapes `paper_mesh_shapes`).
   See `evaluate_mesh` for dataflow_policy, check_memory, memory_layers and topology.
 
   Raises:
@@ -819,6 +836,7 @@ def recommend_mesh(chips: int, *, model: str | ModelSpec = "gpt3",
   shapes = mesh_shapes(chips)
   profile = load_profile(profile)
   if assume == "paper":
+    shapes = paper_mesh_shapes(chips)
     profile = paper_assumptions(profile)
     dataflow_policy = dataflow_policy or "paper"
   dataflow_policy = dataflow_policy or "model"
