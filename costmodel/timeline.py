@@ -35,7 +35,7 @@ def trace_events(schedules: Iterable[Schedule | tuple[str, Schedule]], *, pid: i
     >>> events = trace_events([("qkv/forward", s)])
     >>> sorted({e["ph"] for e in events}), [e["name"] for e in events if e["tid"] == 0
     ...                                     and e["ph"] == "X"][:3]
-    (['M', 'X'], ['matmul[0]', 'relayout X slice[0]', 'relayout W slice[0]'])
+    (['M', 'X'], ['cut slices[0]', 'matmul[0]', 'matmul[1]'])
   """
   items = [(f"site {i}", s) if isinstance(s, Schedule) else s for i, s in enumerate(schedules)]
   events = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
