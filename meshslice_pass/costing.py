@@ -24,8 +24,29 @@ def model_dataflow(dataflow: str) -> str:
   return "rs" if dataflow.startswith("1d") else dataflow
 
 
+def site_profile(profile, geometry, axis_sizes):
+  """`profile` with its dim 0 / dim 1 derived for this site's mesh axes (row, col; or the
+  one axis of a 1D site) from the profile's topology and the mesh's device order. A
+  profile without a topology, or a mesh bigger than its network, comes back unchanged."""
+  if getattr(profile, "topology", None) is None or len(axis_sizes) < 2:
+    return profile
+  order = list(axis_sizes)
+  axes = ((geometry.axis,) * 2 if _one_d(geometry) else (geometry.row_axis, geometry.col_axis))
+  if any(a is None for a in axes):     # OS with one axis absent: both dims are that axis
+    axes = (next(a for a in axes if a is not None),) * 2
+  try:
+    return costmodel.profile_for_mesh(profile, tuple(axis_sizes.values()),
+                                      axes=tuple(order.index(a) for a in axes))
+  except ValueError:
+    return profile
+
+
+def _one_d(geometry) -> bool:
+  return not hasattr(geometry, "row_axis")
+
+
 def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, out_dtype,
-                axis_sizes) -> costmodel.GemmProblem:
+                axis_sizes, profile=None) -> costmodel.GemmProblem:
   """The site as the cost model sees it. Dims split over extra mesh axes (data, fsdp)
   shrink the per-device problem without any communication, so they divide the sizes."""
   (lc, rc), (lb, rb) = geometry.dimension_numbers
@@ -45,6 +66,8 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
                k=size(lhs_shape, lhs_spec, lc), batch=size(lhs_shape, lhs_spec, lb),
                in_bytes=jnp.dtype(lhs_dtype).itemsize, out_bytes=jnp.dtype(out_dtype).itemsize)
   mesh_order = list(axis_sizes)
+  # a profile from `site_profile` already has dim 0 = row axis, dim 1 = col axis
+  derived = getattr(profile, "topology", None) is not None and len(axis_sizes) >= 2
   if one_d:
     # The 1D model communicates M ("rs" with one axis of size 1). When the emitted code
     # moves an rhs free dim instead (a gathered weight, partial sums scattered along N),
@@ -53,9 +76,9 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
       sizes["m"], sizes["n"] = sizes["n"], sizes["m"]
     return costmodel.GemmProblem.one_d(
         size=geometry.axis_size, collective=geometry.kind,
-        profile_dim=min(mesh_order.index(geometry.axis), 1), **sizes)
+        profile_dim=0 if derived else min(mesh_order.index(geometry.axis), 1), **sizes)
   position = lambda axis: mesh_order.index(axis) if axis in mesh_order else len(mesh_order)
-  row_first = position(geometry.row_axis) < position(geometry.col_axis)
+  row_first = derived or position(geometry.row_axis) < position(geometry.col_axis)
   return costmodel.GemmProblem(
       rows=geometry.row_size, cols=geometry.col_size,
       row_profile_dim=0 if row_first else 1, col_profile_dim=1 if row_first else 0, **sizes)

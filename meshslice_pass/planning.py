@@ -260,9 +260,9 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
         f"communicated extent {match.global_extent} is not divisible by "
         f"{'the axis size' if len(mesh_axes) == 1 else 'lcm(R, C)'} = {geometry.lcm}"),
         **base, **decided)
+  profile = costing.site_profile(ctx.options.profile, geometry, ctx.axis_sizes)
   problem = costing.problem_for(geometry, lhs.shape, rhs.shape, lhs_spec, rhs_spec,
-                                lhs.dtype, out.dtype, ctx.axis_sizes)
-  profile = ctx.options.profile
+                                lhs.dtype, out.dtype, ctx.axis_sizes, profile)
   flow = costing.model_dataflow(match.dataflow)
   baseline = costing.predict(problem, profile, "collective", flow, 1)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),

@@ -83,3 +83,20 @@ def test_pinned_dataflow_no_reshard_can_give_is_an_error():
       "its operand layouts allow 1d-gather, and no reshard of the operands gives "
       "'os' with the same output layout")):
     meshslice.explain(f, overrides={0: {"dataflow": "os"}})(x, w)
+
+
+def test_site_costs_use_the_torus_placement_of_their_mesh_axes():
+  from meshslice import costmodel
+  v4 = costmodel.load_profile("tpu-v4")
+  for shape in ((32, 8), (8, 32)):
+    am = jax.sharding.AbstractMesh(shape, ("x", "y"),
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    s = NamedSharding(am, P("x", "y"))
+    x = jax.ShapeDtypeStruct((8192, 12288), jnp.bfloat16, sharding=s)
+    w = jax.ShapeDtypeStruct((12288, 12288), jnp.bfloat16, sharding=s)
+    site, = meshslice.explain(jax.jit(lambda a, b: a @ b))(x, w).sites
+    derived = costmodel.profile_for_mesh(v4, shape, axes=(0, 1))
+    expected = costmodel.predict(site.problem, site.algorithm, site.dataflow, site.ksplit,
+                                 derived).total_s
+    assert site.predicted_seconds == pytest.approx(expected, rel=1e-12)
+    assert derived.all_gather.bandwidth != v4.all_gather.bandwidth
