@@ -379,10 +379,11 @@ def _site_invariants(report, n_dots):
 
 
 def run_dot_case(case: DotCase, compare_plain: bool = False) -> Outcome:
-  """Run one DotCase. Plain jit is compiled when a site was rewritten, when the
-  transformed program disagrees with the unsharded reference, or with compare_plain
-  (a program with nothing rewritten is the plain program re-bound: comparing them adds
-  nothing but compile time)."""
+  """Run one DotCase. The verdict is against the unsharded float64 reference. Plain jit
+  is also run (compiling it doubles the cost of an example) when the transformed program
+  disagrees with the reference, for a third of the examples with a rewritten site (by
+  seed), and always with compare_plain; a program with nothing rewritten is the plain
+  program re-bound."""
   mesh = make_mesh(case.mesh_shape, case.mesh_names, case.explicit)
   x, y, ct = case.data()
   f, step = _dot_step(case, mesh)
@@ -420,7 +421,8 @@ def run_dot_case(case: DotCase, compare_plain: bool = False) -> Outcome:
   errs = errors(new, want, case.dtype)
   problems = _site_invariants(report, 3)
   plain_errs, gspmd_wrong = None, False
-  if compare_plain or report.rewritten or problems or not all(e[2] for e in errs):
+  if (compare_plain or (report.rewritten and case.seed % 3 == 0) or problems
+      or not all(e[2] for e in errs)):
     old = _call(plain, case, mesh, xs, ys, cs)
     plain_errs = errors([old[0], *old[1]], want, case.dtype)
     gspmd_wrong = not all(e[2] for e in plain_errs)
