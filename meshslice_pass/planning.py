@@ -134,11 +134,25 @@ def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None):
   rhs-free dims swapped), it is planned as the equal product with operands swapped, whose
   result already has the consumer's layout: a weight gradient becomes the RS matmul of
   DESIGN.md section 4 rather than an LS matmul followed by a transpose."""
-  if transposed_by is not None:
-    site = _plan_site(eqn, analysis, ctx, path, context, index)
+  if transposed_by is None:
+    return _plan_operands(eqn, analysis, ctx, path, context, index)
+  # The swapped form is preferred whenever it can be rewritten, so a pin (from a saved
+  # plan, which records the swapped form) is only checked against the other form when
+  # the swapped one cannot serve the site.
+  try:
     swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by)
-    return swapped if swapped.rewritten or not site.rewritten else site
-  return _plan_operands(eqn, analysis, ctx, path, context, index)
+  except ValueError as error:
+    try:
+      site = _plan_operands(eqn, analysis, ctx, path, context, index)
+    except ValueError:
+      raise error from None
+    if site.rewritten:
+      return site
+    raise
+  if swapped.rewritten:
+    return swapped
+  site = _plan_operands(eqn, analysis, ctx, path, context, index)
+  return site if site.rewritten else swapped
 
 
 def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):

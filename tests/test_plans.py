@@ -164,3 +164,21 @@ def test_profile_without_overlap_never_slices(tmp_path):
   with pytest.raises(ValueError, match=re.escape("profile: ") + r".*field 'overlap' must be "
                      "true or false, got 'no'"):
     meshslice.transform(f, profile=str(path))
+
+
+def test_saved_plan_reapplies_to_swapped_weight_gradients():
+  # A weight gradient planned on swapped operands (rs, S=2) whose unswapped form cannot
+  # take S=2: the plan must still apply (found by examples/maxtext_style_step.py).
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+  import maxtext_style_step as example
+  from jax.sharding import AxisType
+  msh = jax.make_mesh((1, 2, 4), ("data", "x", "y"), axis_types=(AxisType.Auto,) * 3,
+                      devices=jax.devices()[:8])
+  step, abstract, _, _ = example.make_step(example.TINY, msh)
+  report = meshslice.explain(step, ksplit=2)(*abstract)
+  swapped = [s for s in report.rewritten if s.swapped and s.ksplit == 2]
+  assert swapped
+  again = meshslice.explain(step, plan=report.plan)(*abstract)
+  assert again.plan.to_json() == report.plan.to_json()
