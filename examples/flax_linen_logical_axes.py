@@ -207,8 +207,12 @@ def main(argv=None) -> int:
     new_params, new_opt, loss = fast_step(params, opt_state, x, y)
     print(f"transformed step: loss {float(loss):.5f}")
 
-    # check: plain jit vs transformed vs an unsharded single-device run, on these inputs
-    result = meshslice.check(step, **options)(params, opt_state, x, y)
+    # check: plain jit vs transformed vs an unsharded single-device run, on these inputs.
+    # Adam divides by the root of the second moment, so near-zero gradient entries turn
+    # float reassociation into ~1e-4..1e-3 relative differences in the updated params;
+    # plain jit differs from the unsharded run by as much, so judge at 1e-3.
+    result = meshslice.check(step, tolerance={"float32": 1e-3}, **options)(
+        params, opt_state, x, y)
     print(result)
     print(f"forced ksplit=2: {result.report.summary()}")
 
