@@ -1,12 +1,12 @@
 """Every distributed-GEMM algorithm of meshslice.rewrites on GPT-3-shaped sites, on the
 emulated 8-device CPU mesh.
 
-The sites are the four feed-forward GEMMs of a transformer layer (DESIGN.md section 5),
+The sites are the four feed-forward GEMMs of a transformer layer (docs/costmodel.md),
 Y[T, N] = X[T, K] . W[K, N] with T tokens and hidden size H scaled down to CPU size:
 
   qkv H -> 3H,  attn_out H -> H,  mlp_up H -> 4H,  mlp_down 4H -> H
 
-For each mesh, site, dataflow (os, ls, rs: the layouts of DESIGN.md section 4) and
+For each mesh, site, dataflow (os, ls, rs: the layouts of docs/design.md) and
 algorithm it builds `jax.jit(jax.shard_map(build_body(...)))`, checks the result equals
 `x @ w`, and prints one row:
 
@@ -20,7 +20,7 @@ algorithm it builds `jax.jit(jax.shard_map(build_body(...)))`, checks the result
   check     "ok", or the largest error relative to max |x @ w|
 
 CPU collectives are synchronous and the 8 devices share the host's cores, so the time
-column shows slicing / ring overhead, never the overlap benefit (DESIGN.md section 6).
+column shows slicing / ring overhead, never the overlap benefit (docs/design.md).
 
   python bench/algorithms.py                                    # defaults: H=256, T=1024
   python bench/algorithms.py --hidden=32 --tokens=64 --meshes=2x2 --sites=mlp_up \

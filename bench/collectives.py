@@ -1,5 +1,5 @@
 """All-gather, reduce-scatter and permute on each axis of a 2D mesh: timings and the
-alpha-beta fit the cost model uses (DESIGN.md section 5).
+alpha-beta fit the cost model uses (docs/costmodel.md).
 
 For each collective kind, mesh axis (profile dim 0 = the R axis, 1 = the C axis), ring
 size and per-device shard size, prints the time of one collective (dispatch cancelled:

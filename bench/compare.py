@@ -2,7 +2,7 @@
 does?
 
 For each site (one 2D-sharded matmul `x @ w` of shape m x n x k, for each dataflow's
-layouts of DESIGN.md section 4) and each candidate plan (collective, meshslice with each
+layouts of docs/design.md) and each candidate plan (collective, meshslice with each
 --ksplits value, and any --algorithms), the site is transformed with exactly that plan
 (`strict=True`: a plan the site cannot take is skipped, with the reason) and timed; the
 plan's predicted time comes from the report (`site.predicted_seconds`) under --profile,

@@ -1,7 +1,7 @@
 """One 2D-sharded GEMM as the real TPU compiler schedules it: MeshSlice bodies vs the dense
-program, from ahead-of-time compiles on this machine (libtpu; DESIGN.md section 6b).
+program, from ahead-of-time compiles on this machine (libtpu; docs/tpu.md).
 
-For each dataflow (OS, LS, RS; layouts of DESIGN.md section 4) and S in --ksplits, the
+For each dataflow (OS, LS, RS; layouts of docs/design.md) and S in --ksplits, the
 MeshSlice shard_map body (`meshslice.rewrites.build_body("meshslice", ...)`) is compiled
 for --topology as an RxC mesh, under libtpu's async-collective flags; the baseline is
 plain `jax.jit` of the same GEMM with XLA's windowed einsum off (the "dense" program).

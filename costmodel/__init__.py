@@ -1,4 +1,4 @@
-"""Hardware profiles, time models and the autotuner (see DESIGN.md section 5).
+"""Hardware profiles, time models and the autotuner (see docs/costmodel.md).
 
 The cost model knows the algorithms of `meshslice.rewrites` by name and shape only; it
 never imports the pass or the rewrites.

@@ -216,7 +216,7 @@ class ModelSpec:
     return self.heads * self.head_dim
 
 
-# The paper's workloads (DESIGN.md section 5): GPT-3 175B and Megatron-Turing NLG 530B.
+# The paper's workloads (docs/costmodel.md): GPT-3 175B and Megatron-Turing NLG 530B.
 MODELS = {
     "gpt3": ModelSpec(name="gpt3", heads=96, head_dim=128, seq=2048, layers=96),
     "megatron": ModelSpec(name="megatron", heads=160, head_dim=128, seq=2048, layers=105),
@@ -226,7 +226,7 @@ MODELS = {
 FF_LAYERS = (("qkv", 1, 3), ("attn_out", 1, 1), ("mlp_up", 1, 4), ("mlp_down", 4, 1))
 
 # A layer's weight layout fixes the dataflow of all three of its GEMMs. Activations are
-# [tokens:r, hidden:c] throughout (DESIGN.md section 4); the weight is W[in:r, out:c]
+# [tokens:r, hidden:c] throughout (docs/design.md); the weight is W[in:r, out:c]
 # ("os": the forward matmul is output-stationary) or W[in:c, out:r] ("ls": the forward
 # matmul is lhs-stationary). Per phase: (phase, dataflow, (m, n, k) as a function of
 # tokens T, d_in, d_out).

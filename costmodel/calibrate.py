@@ -7,7 +7,7 @@ Measures, on a 2D device mesh:
   GEMMs        the local matmul of one device over slice shapes (one dim at a time cut
                down from a base shape), with every device of the mesh busy at once;
 
-fits the time models of DESIGN.md section 5 / `meshslice.costmodel.profiles` and writes
+fits the time models of docs/costmodel.md / `meshslice.costmodel.profiles` and writes
 a `HardwareProfile` JSON file that `meshslice.transform(f, profile=path)` and
 `meshslice.costmodel.load_profile(path)` accept.
 

@@ -34,7 +34,7 @@ which is what bounds the slice count S from above.
 
 Shipped profiles (`known_profiles()`):
 
-  tpu-v4   calibrated: the original MeshSlice authors' measurements (DESIGN.md section 5)
+  tpu-v4   calibrated: the original MeshSlice authors' measurements (docs/costmodel.md)
   tpu-v5e, tpu-v5p, tpu-v6e, h100   derived from public chip numbers (not measured)
   cpu      rough numbers for the emulated-device CPU runs; do not trust them
 """

@@ -1,7 +1,7 @@
 """How long one distributed GEMM site takes: collective and GEMM time formulas, the
 schedule of each algorithm, and the perfect-overlap lower bound.
 
-A site is `Y[M,N] = X[M,K] . W[K,N]` on an R x C mesh (DESIGN.md section 4), described
+A site is `Y[M,N] = X[M,K] . W[K,N]` on an R x C mesh (docs/design.md), described
 without JAX by a `GemmProblem`. Every algorithm is modelled as a *schedule*: a sequence
 of stages, each stage a set of operations on three streams — the compute unit and the
 two mesh-axis links ("row": the axis of size R, "col": the axis of size C). Operations
@@ -484,7 +484,7 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   all-gather (one link) and the reduce-scatter (the other link) of a step overlap.
 
   With S > 1 the compute stream also carries what the emitted body adds to the dense
-  program (checked with the TPU compiler: no relayout copies, DESIGN.md 6b):
+  program (checked with the TPU compiler: no relayout copies, docs/tpu.md):
 
       cut:      before the prologue, the local shards of the gathered inputs are cut
                 into their S slices in one pass (`copy_time` of those shards)
@@ -699,7 +699,7 @@ def why_invalid(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int
   if algorithm == "collective" and ksplit != 1:
     return f"collective does not slice; ksplit must be 1, got {ksplit}"
   r, c, lcm = problem.rows, problem.cols, problem.lcm
-  # The layouts of DESIGN.md section 4: each sharded dim must split evenly.
+  # The layouts of docs/design.md: each sharded dim must split evenly.
   need = {"os": (("m", r), ("n", c), ("k", lcm)), "ls": (("m", r), ("k", c), ("n", lcm)),
           "rs": (("n", c), ("k", r), ("m", lcm))}[dataflow]
   for dim, parts in need:

@@ -4,7 +4,7 @@ Bytes moved per device assume ring algorithms over a group of n devices, from th
 result shape (compiled HLO text does not always type the operands): all-gather
 result * (n-1)/n, reduce-scatter result * (n-1) (its operand is n results), all-reduce
 2 * result * (n-1)/n, all-to-all result * (n-1)/n, collective-permute result. These are the
-communication volumes of DESIGN.md section 5, for comparing programs, not a timing.
+communication volumes of docs/costmodel.md, for comparing programs, not a timing.
 
 Loops. A collective inside a `while` runs once per iteration, so it is counted (and its
 bytes added) trip-count times; nested loops multiply. The trip count is read from what

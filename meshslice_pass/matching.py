@@ -2,7 +2,7 @@
 
 Write the site as Y[M, N] = X[M, K] . W[K, N] where M, K, N are the groups of lhs free,
 contracting and rhs free dims (batch dims ride along). Classification reads like
-DESIGN.md section 4, one small step each:
+docs/design.md, one small step each:
 
   describe    each operand's per-dim axis tuples, grouped into M, K, N and batch
   roles       each mesh axis by where it appears:
@@ -337,7 +337,7 @@ def geometry_of(match: Match, dimension_numbers, axis_sizes, **dot_params):
 
 
 # Where the two axes go in each 2D dataflow, for a site whose output is (M:r, N:c):
-# operand -> group -> "r" or "c" (DESIGN table in docs/design.md).
+# operand -> group -> "r" or "c" (the table in docs/design.md).
 _LAYOUTS = {"os": {"lhs": {"M": "r", "K": "c"}, "rhs": {"K": "r", "N": "c"}},
             "ls": {"lhs": {"M": "r", "K": "c"}, "rhs": {"K": "c", "N": "r"}},
             "rs": {"lhs": {"M": "c", "K": "r"}, "rhs": {"K": "r", "N": "c"}}}

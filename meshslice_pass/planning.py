@@ -133,7 +133,7 @@ def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None):
   """Plan one dot_general. When its result is only ever used transposed (lhs-free and
   rhs-free dims swapped), it is planned as the equal product with operands swapped, whose
   result already has the consumer's layout: a weight gradient becomes the RS matmul of
-  DESIGN.md section 4 rather than an LS matmul followed by a transpose."""
+  docs/design.md rather than an LS matmul followed by a transpose."""
   if transposed_by is None:
     return _plan_operands(eqn, analysis, ctx, path, context, index)
   # The swapped form is preferred whenever it can be rewritten, so a pin (from a saved

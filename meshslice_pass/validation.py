@@ -1,7 +1,7 @@
 """The last gate before emission: prove that a planned shard_map computes the dot_general.
 
 Matching proposes a dataflow from patterns; this module checks the proposal from first
-principles, knowing only what the emitted code does (DESIGN.md section 4):
+principles, knowing only what the emitted code does (docs/design.md):
 
   1. Every operand dim is split over its axis tuple, major axis first, and divides.
   2. The rewrite's collectives change the local layout: an all-gather over axis a of dim

@@ -1,6 +1,6 @@
 """Two processes x 4 CPU devices run the transformed demo step on one 2x4 mesh.
 
-Every process of a multi-host job must emit the identical program (DESIGN.md section 3):
+Every process of a multi-host job must emit the identical program (docs/design.md):
 the plan is a pure function of the program, mesh shape, options and profile. Here two
 JAX processes, joined by `jax.distributed.initialize` and exchanging data through CPU
 collectives (gloo, JAX's default cross-process CPU implementation), each plan and run the

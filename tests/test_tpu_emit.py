@@ -4,7 +4,7 @@ the dense program does not, and its sliced collectives must stay S collectives.
 
 A 2048^3 bf16 GEMM on v4:2x2x2 as a (2, 4) mesh with S = 2 (seconds of compiling).
 Each compile runs in a subprocess with the dense program's flags (windowed einsum off,
-DESIGN.md section 6b): libtpu reads its flags once per process.
+docs/tpu.md): libtpu reads its flags once per process.
 """
 import json
 import os
