@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 import warnings
 from typing import Any, Callable
 
@@ -27,6 +28,9 @@ class _Entry:
   out_tree: Any
   report: Report
   abstract: bool = False    # planned on an AbstractMesh: nothing to run
+  # seconds per phase: trace, analysis, planning (at build); emission, lowering, compile
+  # (when `lower` / `.compile()` run them)
+  timings: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _is_jitted(fn) -> bool:
@@ -78,7 +82,9 @@ class Transformed:
     return entry, leaves
 
   def _build(self, args, kwargs, leaves, in_tree):
+    clock = _Clock()
     traced = self._jitted.trace(*args, **kwargs)
+    clock.lap("trace")
     params = jit_params(traced)
     closed = traced.jaxpr
     leaf_shardings = [_leaf_sharding(x) for x in leaves]
@@ -95,8 +101,10 @@ class Transformed:
     out_specs = [S.from_sharding(sh, len(getattr(aval, "shape", ())), axis_sizes)
                  for sh, aval in zip(params["out_shardings"], closed.out_avals)]
     analysis = A.analyze(closed, in_specs, out_specs, A.Context(axis_sizes=axis_sizes))
+    clock.lap("analysis")
     sites = planning.plan_program(
         closed, analysis, planning.Context(axis_sizes=axis_sizes, options=self._options))
+    clock.lap("planning")
     if self._options.plan is not None:
       self._options.plan.check_matches(sites, axis_sizes)
     check_overrides(self._options, sites)
@@ -107,7 +115,7 @@ class Transformed:
                                                   for x in leaves):
       # planned for a mesh that has no devices here (e.g. a 16x16 cluster from a laptop)
       return _Entry(jitted=None, in_tree=in_tree, out_tree=traced.out_tree, report=report,
-                    abstract=True)
+                    abstract=True, timings=clock.times)
     emitter = Emitter(sites, mesh)
 
     def emitted(*flat):
@@ -120,7 +128,8 @@ class Transformed:
     ctx_mesh = params.get("ctx_mesh")
     if ctx_mesh is not None and getattr(ctx_mesh, "axis_names", ()):
       jitted = _with_mesh(jitted, ctx_mesh)
-    return _Entry(jitted=jitted, in_tree=in_tree, out_tree=traced.out_tree, report=report)
+    return _Entry(jitted=jitted, in_tree=in_tree, out_tree=traced.out_tree, report=report,
+                  timings=clock.times)
 
   # -- public surface
   def __call__(self, *args, **kwargs):
@@ -134,12 +143,26 @@ class Transformed:
     dropped, and returns `f`'s output pytree."""
     entry, leaves = self._entry(args, kwargs)
     _require_devices(entry, "lower")
-    return Lowered(entry.jitted.lower(*leaves), entry.in_tree, entry.out_tree)
+    clock = _Clock()
+    traced = entry.jitted.trace(*leaves)      # runs the emitter: the rewritten program
+    clock.lap("emission")
+    lowered = traced.lower()
+    clock.lap("lowering")
+    entry.timings.update(clock.times)
+    return Lowered(lowered, entry.in_tree, entry.out_tree, entry.timings)
 
   def explain(self, *args, **kwargs) -> Report:
     """The report for this input signature (abstract inputs are fine)."""
     entry, _ = self._entry(args, kwargs)
     return entry.report
+
+  def timings(self, *args, **kwargs) -> dict:
+    """Seconds spent per phase for this input signature: "trace" (jax tracing of the
+    original), "analysis", "planning"; after `.lower(...)` also "emission" (re-tracing
+    with the sites rewritten) and "lowering" (to StableHLO); after `.compile()` of that,
+    "compile" (XLA). Phases not run yet are absent."""
+    entry, _ = self._entry(args, kwargs)
+    return dict(entry.timings)
 
 
 class _Wrapped:
@@ -164,8 +187,15 @@ class Lowered(_Wrapped):
   """`Transformed.lower(...)`: a `jax.stages.Lowered` of the rewritten program whose
   `.compile()` takes and returns the original function's pytrees."""
 
+  def __init__(self, inner, in_tree, out_tree, timings=None):
+    super().__init__(inner, in_tree, out_tree)
+    self._timings = {} if timings is None else timings
+
   def compile(self, *args, **kwargs) -> "Compiled":
-    return Compiled(self._inner.compile(*args, **kwargs), self._in_tree, self._out_tree)
+    start = time.perf_counter()
+    compiled = self._inner.compile(*args, **kwargs)
+    self._timings["compile"] = time.perf_counter() - start
+    return Compiled(compiled, self._in_tree, self._out_tree)
 
 
 class Compiled(_Wrapped):
@@ -207,6 +237,33 @@ class _with_mesh:
   def lower(self, *a):
     with self._ctx():
       return self._jitted.lower(*a)
+
+  def trace(self, *a):
+    with self._ctx():
+      return _TracedInMesh(self._jitted.trace(*a), self)
+
+
+class _TracedInMesh:
+  """A `jax.stages.Traced` whose `.lower()` runs under the original's mesh context."""
+
+  def __init__(self, traced, owner):
+    self._traced, self._owner = traced, owner
+
+  def lower(self):
+    with self._owner._ctx():
+      return self._traced.lower()
+
+
+class _Clock:
+  """Seconds per named phase, lap after lap."""
+
+  def __init__(self):
+    self.times, self._last = {}, time.perf_counter()
+
+  def lap(self, name):
+    now = time.perf_counter()
+    self.times[name] = self.times.get(name, 0.0) + now - self._last
+    self._last = now
 
 
 def _none_if_unspecified(shardings):
@@ -330,10 +387,15 @@ def transform(fn: Callable, **options) -> Transformed:
   return Transformed(fn, Options.from_kwargs("meshslice.transform", options))
 
 
-def explain(fn: Callable, **options) -> Callable[..., Report]:
+def explain(fn: Callable, *, timings: bool = False, **options) -> Callable[..., Report]:
   """Return a function that, given `fn`'s inputs, reports what `transform` would do.
 
   Works on abstract inputs (`jax.ShapeDtypeStruct` with shardings): nothing is allocated.
+
+  With `timings=True` the function returns `(report, seconds)`, `seconds` a dict of the
+  pass's phases: "trace", "analysis", "planning" and, on a concrete mesh, "emission"
+  (tracing the rewritten program; nothing is lowered or compiled). `Transformed.timings`
+  also reports lowering and XLA compile once they ran.
 
   Example:
     >>> report = meshslice.explain(step)(params, batch)       # doctest: +SKIP
@@ -343,4 +405,16 @@ def explain(fn: Callable, **options) -> Callable[..., Report]:
     raise TypeError("meshslice.explain expects a callable (a function or a "
                     f"jax.jit-wrapped function) as fn, got {type(fn).__name__}")
   transformed = Transformed(fn, Options.from_kwargs("meshslice.explain", options))
-  return transformed.explain
+  if not timings:
+    return transformed.explain
+
+  def explain_timed(*args, **kwargs):
+    entry, leaves = transformed._entry(args, kwargs)
+    if not entry.abstract and "emission" not in entry.timings:
+      clock = _Clock()
+      entry.jitted.trace(*leaves)
+      clock.lap("emission")
+      entry.timings.update(clock.times)
+    return entry.report, dict(entry.timings)
+
+  return explain_timed

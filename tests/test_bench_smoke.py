@@ -40,3 +40,19 @@ def test_transform_bench_table():
   assert set(ratios) == {"default plan", "collective", "meshslice S=2", "meshslice S=4"}
   assert all(v > 0 for row in ratios.values() for v in row)
   assert re.search(r"plain jax.jit: lower \d+ ms, collective bytes/device [\d.]+ MB", out)
+
+
+def test_transform_bench_sweep_table():
+  out = _run("transform_bench.py", "--sweep", "--layers_list=1", "--layouts=unrolled,scan",
+             "--ksplit=2")
+  rows = {}
+  for line in out.splitlines():
+    cells = line.split()
+    if cells and cells[0] in ("unrolled", "scan"):
+      rows[cells[0]] = cells
+  assert set(rows) == {"unrolled", "scan"}
+  for cells in rows.values():
+    assert len(cells) == 17 and int(cells[1]) == 1
+    assert int(cells[2]) == int(cells[3]) > 0        # ksplit 2: every rewritten site sliced
+    assert all(float(c.rstrip("x")) >= 0 for c in cells[4:15])
+  assert "targets:" in out
