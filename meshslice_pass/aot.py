@@ -475,6 +475,8 @@ def main(argv=None) -> int:
   set_flags(*[f for p in presets for f in FLAG_PRESETS[p]])
   options = {"profile": args.profile or gen.profile}
   if args.ksplit != "auto":
+    if not args.ksplit.isdigit() or int(args.ksplit) < 1:
+      parser.error(f"--ksplit must be a positive int or 'auto', got {args.ksplit!r}")
     options.update(ksplit=int(args.ksplit), algorithm="meshslice")
   import jax
   jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
