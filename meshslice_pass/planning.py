@@ -73,6 +73,9 @@ class Site:
 class Context:
   axis_sizes: dict
   options: object
+  # Decisions by everything a decision depends on: the layers of an unrolled model repeat
+  # the same sites, and planning is pure, so each distinct site is planned once.
+  decided: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
@@ -184,6 +187,26 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   request = ctx.options.request_for(index=index, source=base["source"], module=base["module"])
   if request.rewrite is False:
     return Site(rewritten=False, reason="left alone as requested (override or plan)", **base)
+  key = (swap is not None, dimension_numbers, lhs.aval.shape, str(lhs.aval.dtype),
+         rhs.aval.shape, str(rhs.aval.dtype), str(out.aval.dtype), lhs_spec, rhs_spec,
+         out_demand, request, eqn.params.get("precision"),
+         str(eqn.params.get("preferred_element_type")))
+  same = ctx.decided.get(key)
+  if same is not None:
+    return dataclasses.replace(same, **{k: base[k] for k in _IDENTITY})
+  site = _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
+                 rhs_spec, out_demand, index)
+  ctx.decided[key] = site
+  return site
+
+
+# What differs between two sites with the same decision.
+_IDENTITY = ("index", "path", "source", "module", "context", "direction")
+
+
+def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec, rhs_spec,
+            out_demand, index):
+  """The plan of one site (see `_plan_operands`): dataflow, algorithm, ksplit."""
   found = matching.classify(dimension_numbers, lhs.aval.shape, rhs.aval.shape,
                             lhs_spec, rhs_spec, ctx.axis_sizes)
   pinned = request.dataflow

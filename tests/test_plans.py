@@ -1,4 +1,5 @@
 """Plans as data (JSON round trip, editing, applying) and per-site overrides."""
+import dataclasses
 import json
 import os
 import re
@@ -182,3 +183,24 @@ def test_saved_plan_reapplies_to_swapped_weight_gradients():
   assert swapped
   again = meshslice.explain(step, plan=report.plan)(*abstract)
   assert again.plan.to_json() == report.plan.to_json()
+
+
+def test_repeated_sites_are_planned_once_and_keep_their_own_identity():
+  msh = mesh((2, 4))
+  s = NamedSharding(msh, P("x", "y"))
+  x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=s)
+  w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=s)
+
+  def two_layers(x, w):
+    h = x @ w
+    return h @ w
+
+  report = meshslice.explain(jax.jit(two_layers), overrides={1: {"ksplit": 2}})(x, w)
+  first, second = report.sites
+  assert (first.index, second.index) == (0, 1)
+  assert first.source != second.source
+  assert (first.ksplit, second.ksplit) == (1, 2)     # different requests, different plans
+  plain = meshslice.explain(jax.jit(two_layers))(x, w)
+  assert plain.sites[0].source != plain.sites[1].source
+  assert dataclasses.replace(plain.sites[1], index=0, path=plain.sites[0].path,
+                             source=plain.sites[0].source) == plain.sites[0]
