@@ -227,11 +227,22 @@ def _is_jitted(fn) -> bool:
 
 
 # -------------------------------------------------------------------------- bisection
-def _outputs_agree(fn, options, disabled, args, kwargs, judge, tol) -> bool:
-  overrides = dict(options.get("overrides") or {})
-  for i in disabled:
-    overrides[i] = dict(overrides.get(i, {}), rewrite=False)
-  out = transform(fn, **dict(options, overrides=overrides))(*args, **kwargs)
+def _outputs_agree(fn, options, report, disabled, args, kwargs, judge, tol) -> bool:
+  """Re-transform with the sites in `disabled` left alone and every other site exactly
+  as planned before (through a plan, so user pins by pattern or location cannot clash
+  with the bisection's), and compare with the judge."""
+  plan = report.plan
+  for s in report.sites:
+    if s.index in disabled or not s.rewritten:
+      plan = plan.edit(s.index, rewrite=False)
+  base = {k: v for k, v in options.items() if k not in ("overrides", "plan")}
+  try:
+    out = transform(fn, **base, plan=plan)(*args, **kwargs)
+  except ValueError:      # the plan cannot be re-applied: pin by index on top instead
+    overrides = dict(options.get("overrides") or {})
+    for i in disabled:
+      overrides[i] = {"rewrite": False}
+    out = transform(fn, **dict(options, overrides=overrides))(*args, **kwargs)
   _, leaves = _leaves_with_paths(out)
   return all(_agree(a, b, tol.get(str(jnp.dtype(getattr(b, "dtype", np.float32))), 0.0)).ok
              for a, b in zip(leaves, judge))
@@ -248,8 +259,8 @@ def _bisect(result, fn, options, args, kwargs, judge, tol) -> CheckResult:
     half = len(suspects) // 2
     for part in (suspects[:half], suspects[half:]):
       runs += 1
-      if not _outputs_agree(fn, options, [i for i in rewritten if i not in part],
-                            args, kwargs, judge, tol):
+      if not _outputs_agree(fn, options, result.report,
+                            [i for i in rewritten if i not in part], args, kwargs, judge, tol):
         suspects = part
         break
     else:
@@ -259,8 +270,9 @@ def _bisect(result, fn, options, args, kwargs, judge, tol) -> CheckResult:
   culprit = None
   if len(suspects) == 1:
     runs += 1
-    alone_bad = not _outputs_agree(fn, options, [i for i in rewritten if i != suspects[0]],
-                                   args, kwargs, judge, tol)
+    alone_bad = not _outputs_agree(fn, options, result.report,
+                                   [i for i in rewritten if i != suspects[0]], args, kwargs,
+                                   judge, tol)
     if alone_bad:
       culprit = next(s for s in result.report.sites if s.index == suspects[0])
       note = f"bisection: {runs} re-transforms; only this site rewritten still disagrees"
@@ -322,11 +334,13 @@ def _eval(jaxpr, consts, args):
     elif name == "shard_map":
       raise _NoReference("the program contains a shard_map (manual collectives), which "
                          "cannot run unsharded")
-    else:
-      if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in eqn.params.values()):
-        raise _NoReference(f"no unsharded evaluation rule for {name}")
+    else:     # everything else (scatter-add's update_jaxpr included) binds as is
       params = {k: (None if k in _STRIPPED else p) for k, p in eqn.params.items()}
-      outs = eqn.primitive.bind(*invals, **params)
+      try:
+        outs = eqn.primitive.bind(*invals, **params)
+      except Exception as e:  # noqa: BLE001
+        raise _NoReference(f"no unsharded evaluation of {name}: {type(e).__name__}: "
+                           f"{str(e)[:200]}") from None
       outs = outs if eqn.primitive.multiple_results else [outs]
     for v, x in zip(eqn.outvars, outs):
       env[v] = x

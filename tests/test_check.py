@@ -184,3 +184,38 @@ def test_check_does_not_blame_a_site_when_plain_jit_is_wrong_too(monkeypatch):
   assert result.culprit is None
   assert "agrees with plain jit" in result.note
   assert "plain jax.jit itself disagrees" in str(result)
+
+
+def test_check_reference_runs_scatter_add_and_bisects_under_pattern_pins(monkeypatch):
+  """An embedding gradient (scatter-add) runs in the reference; bisection pins sites
+  through a plan, so a user pin by source location does not clash with it."""
+  m = mesh((2, 4))
+  xs, ws = NamedSharding(m, P("x", "y")), NamedSharding(m, P("x", "y"))
+
+  def loss(params, ids):
+    x = jnp.take(params["emb"], ids, axis=0)
+    h = jnp.tanh(x @ params["w1"])
+    h = jax.lax.with_sharding_constraint(h, xs)
+    return jnp.sum(jnp.sin(h @ params["w2"]))
+
+  step = jax.jit(jax.value_and_grad(loss),
+                 in_shardings=({"emb": ws, "w1": ws, "w2": ws}, NamedSharding(m, P("x"))))
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"emb": jax.device_put(jax.random.normal(k[0], (32, 32)) / 6, ws),
+            "w1": jax.device_put(jax.random.normal(k[1], (32, 32)) / 6, ws),
+            "w2": jax.device_put(jax.random.normal(k[2], (32, 32)) / 6, ws)}
+  ids = jax.device_put(jnp.arange(16) % 32, NamedSharding(m, P("x")))
+  ok = meshslice.check(step)(params, ids)
+  assert ok.ok and ok.reference == "ran", str(ok)
+
+  report = meshslice.explain(step, algorithm="collective")(params, ids)
+  ls_sites = [s for s in report.rewritten if s.dataflow == "ls"]
+  assert ls_sites, str(report)
+  real = emit.build_body
+  monkeypatch.setattr(emit, "build_body", lambda alg, geo, ks, **kw: (
+      (lambda f: (lambda a, b: f(a, b) * 1.5))(real(alg, geo, ks, **kw))
+      if getattr(geo, "dataflow", None) == "ls" else real(alg, geo, ks, **kw)))
+  pins = {s.source: {"algorithm": "collective"} for s in report.rewritten}
+  result = meshslice.check(step, algorithm="collective", overrides=pins)(params, ids)
+  assert not result.ok
+  assert result.culprit is not None and result.culprit.index == ls_sites[0].index, str(result)
