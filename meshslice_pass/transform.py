@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import analysis as A
 from . import planning
+from .backend_flags import overlap_note
 from . import specs as S
 from ._jax_internals import jit_info, jit_params, known_value, trace_state_clean
 from .emit import Emitter
@@ -110,7 +111,8 @@ class Transformed:
     check_overrides(self._options, sites)
     report = Report(sites=sites, mesh_shape=axis_sizes,
                     profile=getattr(self._options.profile, "name", ""),
-                    hardware=self._options.profile, notes=_blind_spots(sites, leaves))
+                    hardware=self._options.profile,
+                    notes=_blind_spots(sites, leaves) + overlap_note(sites, mesh))
     if isinstance(mesh, AbstractMesh) and not any(isinstance(x, jax.core.Tracer)
                                                   for x in leaves):
       # planned for a mesh that has no devices here (e.g. a 16x16 cluster from a laptop)

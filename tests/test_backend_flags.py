@@ -1,0 +1,46 @@
+"""The report says when the backend lacks the flags that let sliced collectives overlap
+the matmuls (libtpu's async collective flags; XLA's latency-hiding scheduler on GPU)."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+from meshslice import aot
+from meshslice.backend_flags import (GPU_OVERLAP_FLAGS, TPU_OVERLAP_FLAGS,
+                                     missing_overlap_flags)
+
+from helpers import mesh
+
+
+def test_missing_flags_per_platform():
+  assert missing_overlap_flags("tpu", {}) == TPU_OVERLAP_FLAGS
+  assert missing_overlap_flags("tpu", {"LIBTPU_INIT_ARGS": " ".join(TPU_OVERLAP_FLAGS)}) == ()
+  assert missing_overlap_flags("cuda", {"XLA_FLAGS": "--foo"}) == GPU_OVERLAP_FLAGS
+  assert missing_overlap_flags("gpu", {"XLA_FLAGS": GPU_OVERLAP_FLAGS[0]}) == ()
+  assert missing_overlap_flags("cpu", {}) == ()
+
+
+def _explain_sliced(msh, **options):
+  s = NamedSharding(msh, P("x", "y"))
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=s)
+  return meshslice.explain(jax.jit(lambda a, b: a @ b), **options)(x, w)
+
+
+def test_tpu_report_names_the_missing_libtpu_flags(monkeypatch):
+  pytest.importorskip("libtpu")
+  tpu = aot.make_mesh("v4:2x2x1", (2, 2))
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+  note, = _explain_sliced(tpu, ksplit=2).notes
+  assert note.startswith("sliced collectives overlap the matmuls on TPU only with "
+                         "--xla_tpu_enable_async_collective_fusion=true")
+  assert "in LIBTPU_INIT_ARGS (set before jax starts; docs/tpu.md)" in note
+  assert _explain_sliced(tpu, ksplit=1).notes == ()            # nothing sliced
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(TPU_OVERLAP_FLAGS))
+  assert _explain_sliced(tpu, ksplit=2).notes == ()
+
+
+def test_cpu_meshes_get_no_flag_note():
+  assert _explain_sliced(mesh((2, 4)), ksplit=2).notes == ()
