@@ -17,6 +17,9 @@ from meshslice.costmodel.timing import copy_time, permute_time
 # to the simpler algorithm and the smaller ksplit.
 AUTO_ALGORITHMS = ("collective", "meshslice")
 
+# A runner-up predicted within this fraction of the chosen plan is reported as a near tie.
+NEAR_TIE = costmodel.autotune.NEAR_TIE
+
 
 def model_dataflow(dataflow: str) -> str:
   """The cost model predicts 1D sites as the 2D formulas with one axis of size 1 ("rs"),
@@ -106,16 +109,25 @@ def predict(problem, profile, algorithm, dataflow, ksplit) -> float:
 
 
 def choose(problem, profile, dataflow, *, algorithms, ksplits):
-  """(algorithm, ksplit, predicted seconds) of the fastest candidate.
+  """(algorithm, ksplit, predicted seconds, note) of the fastest candidate; the note
+  names the runner-up when it is within `NEAR_TIE` (a decision on a thin margin).
 
   `ksplits` are the slice counts the site's geometry can realise exactly; the cost
   model is asked only about those."""
-  best = None
+  ranked = []
   for algorithm in algorithms:
     for ksplit in ((1,) if algorithm == "collective" else ksplits):
       if costmodel.why_invalid(problem, algorithm, dataflow, ksplit):
         continue
-      seconds = predict(problem, profile, algorithm, dataflow, ksplit)
-      if best is None or seconds < best[2]:
-        best = (algorithm, ksplit, seconds)
-  return best
+      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit), len(ranked),
+                     algorithm, ksplit))
+  if not ranked:
+    return None
+  ranked.sort()   # ties keep candidate order: the simpler algorithm, the smaller ksplit
+  (best, _, algorithm, ksplit), *rest = ranked
+  note = ""
+  if rest and best > 0 and rest[0][0] / best - 1 < NEAR_TIE:
+    _, _, other, other_k = rest[0]
+    note = (f"near tie: {other} S={other_k} predicted within "
+            f"{(rest[0][0] / best - 1) * 100:.1f}%")
+  return algorithm, ksplit, best, note

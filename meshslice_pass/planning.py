@@ -315,10 +315,9 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
     # the cost model picks among the slice counts this site can realise exactly
     ksplits = tuple(k for k in geometry.valid_ksplits() if k <= ctx.options.max_ksplit
                     and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
-    algorithm, ksplit, seconds = costing.choose(
+    algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
         algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS)
-    note = ""
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              predicted_seconds=seconds, note=_join(site.note, note))

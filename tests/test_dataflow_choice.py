@@ -100,3 +100,17 @@ def test_site_costs_use_the_torus_placement_of_their_mesh_axes():
                                  derived).total_s
     assert site.predicted_seconds == pytest.approx(expected, rel=1e-12)
     assert derived.all_gather.bandwidth != v4.all_gather.bandwidth
+
+
+def test_decisions_on_thin_margins_are_marked_as_near_ties(monkeypatch):
+  from meshslice import costing, costmodel
+  problem = costmodel.GemmProblem(m=4096, n=4096, k=4096, rows=2, cols=4)
+  times = {("collective", 1): 1.000, ("meshslice", 2): 0.990, ("meshslice", 4): 0.900}
+  monkeypatch.setattr(costing, "predict", lambda p, prof, alg, flow, k: times[(alg, k)])
+  pick = costing.choose(problem, None, "os", algorithms=("collective", "meshslice"),
+                        ksplits=(2, 4))
+  assert pick == ("meshslice", 4, 0.900, "")
+  times[("meshslice", 4)] = 0.985
+  assert costing.choose(problem, None, "os", algorithms=("collective", "meshslice"),
+                        ksplits=(2, 4)) == (
+      "meshslice", 4, 0.985, "near tie: meshslice S=2 predicted within 0.5%")
