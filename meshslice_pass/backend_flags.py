@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+from jax.sharding import Mesh
+
 from .aot import ASYNC_FLAGS as TPU_OVERLAP_FLAGS
 
 GPU_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
@@ -34,10 +36,10 @@ def missing_overlap_flags(platform: str, environ=None) -> tuple:
 
 def overlap_note(sites, mesh, environ=None) -> tuple:
   """A report note when sliced sites will run on a backend without its overlap flags."""
-  devices = getattr(mesh, "devices", None)
-  if devices is None or not any(s.rewritten and (s.ksplit or 1) > 1 for s in sites):
-    return ()
-  platform = getattr(devices.flat[0], "platform", "")
+  if not isinstance(mesh, Mesh) or not any(s.rewritten and (s.ksplit or 1) > 1
+                                           for s in sites):
+    return ()        # an AbstractMesh has no devices: the backend is not known here
+  platform = getattr(mesh.devices.flat[0], "platform", "")
   missing = missing_overlap_flags(platform, environ)
   if not missing:
     return ()

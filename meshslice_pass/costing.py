@@ -126,6 +126,9 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits):
   ranked.sort()   # ties keep candidate order: the simpler algorithm, the smaller ksplit
   (best, _, algorithm, ksplit), *rest = ranked
   note = ""
+  # meshslice with one slice emits the collective algorithm: not a different plan
+  same = lambda a, k: ("collective", 1) if a == "meshslice" and k == 1 else (a, k)
+  rest = [r for r in rest if same(r[2], r[3]) != same(algorithm, ksplit)]
   if rest and best > 0 and rest[0][0] / best - 1 < NEAR_TIE:
     _, _, other, other_k = rest[0]
     note = (f"near tie: {other} S={other_k} predicted within "

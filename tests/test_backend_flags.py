@@ -44,3 +44,9 @@ def test_tpu_report_names_the_missing_libtpu_flags(monkeypatch):
 
 def test_cpu_meshes_get_no_flag_note():
   assert _explain_sliced(mesh((2, 4)), ksplit=2).notes == ()
+
+
+def test_abstract_meshes_get_no_flag_note():
+  am = jax.sharding.AbstractMesh((2, 4), ("x", "y"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  assert _explain_sliced(am, ksplit=2).notes == ()
