@@ -25,6 +25,10 @@ class Options:
       group) the automatic choice accepts; smaller slices waste matmul efficiency.
     strict: when True, a request a site cannot honour (ksplit, algorithm) is an error
       naming the site instead of a reported fallback.
+    relayout: when True (default), the planner may reshard an operand first to run a
+      site in another dataflow with the same output layout, if the cost model predicts
+      that more than 10% faster (noted in the report); False keeps every site in the
+      dataflow its operands' layouts give (a pinned `dataflow` is still honoured).
     overrides: pin sites: {key: {"algorithm": ..., "dataflow": ..., "ksplit": ...,
       "rewrite": bool}}. A key is a site index (int), a source location "file:line"
       (the user's line; matched as a path suffix, e.g. "model.py:41"), or a module-path
@@ -50,6 +54,7 @@ class Options:
   overrides: dict | None = None
   plan: object = None
   profile: object = DEFAULT_PROFILE
+  relayout: bool = True
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -84,8 +89,9 @@ class Options:
     validate_algorithm(self.algorithm)
     for name in ("ksplit", "max_ksplit", "min_block"):
       validate_count(name, getattr(self, name), automatic_allowed=name == "ksplit")
-    if not isinstance(self.strict, bool):
-      raise ValueError(f"strict must be True or False, got {self.strict!r}")
+    for name in ("strict", "relayout"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.overrides is not None:
       if not isinstance(self.overrides, dict):
         raise ValueError("overrides must be a dict {site index, 'file:line' or module "

@@ -228,7 +228,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):
-    if pinned not in (None, alt.dataflow):
+    if pinned not in (None, alt.dataflow) or (pinned is None and not ctx.options.relayout):
       continue
     candidate = plan(alt, alt_lhs, alt_rhs)
     if not candidate.rewritten or not _honours(candidate, request, site):

@@ -114,3 +114,15 @@ def test_decisions_on_thin_margins_are_marked_as_near_ties(monkeypatch):
   assert costing.choose(problem, None, "os", algorithms=("collective", "meshslice"),
                         ksplits=(2, 4)) == (
       "meshslice", 4, 0.985, "near tie: meshslice S=2 predicted within 0.5%")
+
+
+def test_relayout_false_keeps_the_layouts_dataflow():
+  m, x, w, loss = _wide_input(False)
+  f = jax.jit(loss)
+  assert meshslice.explain(f)(x, w).sites[0].dataflow == "ls"
+  kept = meshslice.explain(f, relayout=False)(x, w).sites[0]
+  assert (kept.dataflow, kept.rhs_spec) == ("os", "P('x', 'y')")
+  pinned = meshslice.explain(f, relayout=False, overrides={0: {"dataflow": "ls"}})(x, w)
+  assert pinned.sites[0].dataflow == "ls"
+  with pytest.raises(ValueError, match="relayout must be True or False, got 1"):
+    meshslice.transform(f, relayout=1)
