@@ -121,14 +121,23 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
   # are settled before any guess flows backward from a replicated constant. Phase 2 then
   # fills what is left in both directions (e.g. which layout a consumer wants).
   order = list(enumerate(jaxpr.eqns))
+  # Equations whose operands and results all have layouts are skipped in later sweeps,
+  # except those with sub-jaxprs: their bodies are analysed from the boundary each time.
+  has_body = [bool(sub_jaxprs(eqn)) for eqn in jaxpr.eqns]
+  settled = set()
   phases = [(order, True), (order[::-1] + order, False)]
   while phases:
     sweeps, forward_only = phases.pop(0)
     for _ in range(_MAX_SWEEPS):
       changed = False
       for index, eqn in sweeps:
+        if index in settled:
+          continue
         ins = [get(v) for v in eqn.invars]
         outs = [get(v) for v in eqn.outvars]
+        if None not in ins and None not in outs and not has_body[index]:
+          settled.add(index)     # every layout known: a rule can add nothing here
+          continue
         fn = _RULES.get(eqn.primitive.name, _elementwise_or_unknown)
         new_ins, new_outs = fn(eqn, ins, outs, ctx, state, index)
         if not forward_only:
