@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 
 from . import matching
 from . import specs as S
+from .validation import layout_reason
 from ._jax_internals import ClosedJaxpr, Literal, scan_counts
 
 _RULES = {}
@@ -65,18 +66,6 @@ def _explicit_spec(aval, axis_sizes):
   return S.from_partition_spec(sharding.spec, len(aval.shape), axis_sizes)
 
 
-def _fits(spec, shape, axis_sizes) -> bool:
-  """Whether `spec` is a layout `shape` can have: one entry per dim, each mesh axis used
-  once, every dim divisible by its devices."""
-  if len(spec) != len(shape):
-    return False
-  axes = [a for entry in spec for a in entry]
-  if len(axes) != len(set(axes)) or any(a not in axis_sizes for a in axes):
-    return False
-  return all(n % math.prod(axis_sizes[a] for a in entry) == 0
-             for n, entry in zip(shape, spec))
-
-
 def analyze(closed: ClosedJaxpr, in_specs, out_specs, ctx: Context) -> JaxprAnalysis:
   """Analyse a closed jaxpr given (possibly None) specs for its inputs and outputs."""
   return _analyze(closed.jaxpr, list(in_specs), list(out_specs), ctx, None)
@@ -105,7 +94,7 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
     explicit = _explicit_spec(v.aval, ctx.axis_sizes)
     if explicit is not None:
       spec = explicit   # Explicit mode: the type in the program wins (over out_shardings)
-    if not _fits(spec, _shape(v), ctx.axis_sizes):
+    if layout_reason("value", _shape(v), spec, ctx.axis_sizes):
       return          # an inferred layout that cannot exist stays unknown
     specs[v] = spec
     changed = True

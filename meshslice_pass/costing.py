@@ -55,7 +55,7 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
   (lc, rc), (lb, rb) = geometry.dimension_numbers
   lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
   rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
-  one_d = not hasattr(geometry, "row_axis")
+  one_d = _one_d(geometry)
   tp = {geometry.axis} if one_d else {geometry.row_axis, geometry.col_axis}
 
   def size(shape, spec, dims):

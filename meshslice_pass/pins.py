@@ -16,18 +16,20 @@ from meshslice.rewrites import ALGORITHMS
 PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite")
 
 
-def validate_algorithm(value) -> None:
+def validate_algorithm(value, name: str = "algorithm",
+                       unset: str = " (or None for automatic)") -> None:
   if value is not None and value not in ALGORITHMS:
-    raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))} "
-                     f"(or None for automatic), got {value!r}")
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, ALGORITHMS))}{unset}, "
+                     f"got {value!r}")
 
 
-def validate_count(name: str, value, *, automatic_allowed: bool = False) -> None:
+def validate_count(name: str, value, *, automatic_allowed: bool = False,
+                   unset: str = " or None for automatic") -> None:
   """ksplit / max_ksplit / min_block: a positive int (None = automatic where allowed)."""
   if value is None and automatic_allowed:
     return
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    hint = " or None for automatic" if automatic_allowed else ""
+    hint = unset if automatic_allowed else ""
     raise ValueError(f"{name} must be a positive int (1 = no slicing){hint}, got {value!r}")
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 
-from .pins import validate_pin
+from .pins import validate_algorithm, validate_count, validate_pin
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
@@ -195,16 +195,9 @@ def _same_site(entry: dict, site) -> bool:
 
 def _check_entry(where: str, entry: dict) -> None:
   """The values of one plan entry: what the pass could apply."""
-  from meshslice.rewrites import ALGORITHMS
-  ksplit = entry.get("ksplit")
-  if ksplit is not None and (isinstance(ksplit, bool) or not isinstance(ksplit, int)
-                             or ksplit < 1):
-    raise ValueError(f"{where}.ksplit must be a positive int (1 = no slicing) or null, "
-                     f"got {ksplit!r}")
-  algorithm = entry.get("algorithm")
-  if algorithm is not None and algorithm not in ALGORITHMS:
-    raise ValueError(f"{where}.algorithm must be one of {', '.join(map(repr, ALGORITHMS))} "
-                     f"or null, got {algorithm!r}")
+  validate_count(f"{where}.ksplit", entry.get("ksplit"), automatic_allowed=True,
+                 unset=" or null")
+  validate_algorithm(entry.get("algorithm"), f"{where}.algorithm", unset=" or null")
   dataflow = entry.get("dataflow")
   if dataflow is not None and dataflow not in _DATAFLOWS:
     raise ValueError(f"{where}.dataflow must be one of {', '.join(map(repr, _DATAFLOWS))} "

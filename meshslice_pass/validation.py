@@ -45,7 +45,7 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
   lhs_spec, rhs_spec, out_spec = specs
   (lc, rc), (lb, rb) = geometry.dimension_numbers
   for name, shape, spec in (("lhs", lhs_shape, lhs_spec), ("rhs", rhs_shape, rhs_spec)):
-    why = _layout_reason(name, shape, spec, axis_sizes)
+    why = layout_reason(name, shape, spec, axis_sizes)
     if why:
       return why
   if 0 in tuple(lhs_shape) + tuple(rhs_shape):
@@ -97,7 +97,7 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
   if tuple(out) != tuple(out_spec):
     return (f"the rewrite would produce output layout {tuple(out)}, not the declared "
             f"{tuple(out_spec)}")
-  return _layout_reason("output", out_shape, out, axis_sizes)
+  return layout_reason("output", out_shape, out, axis_sizes)
 
 
 def _communication(geometry):
@@ -122,7 +122,9 @@ def _size(axes, axis_sizes) -> int:
   return math.prod(axis_sizes[a] for a in axes)
 
 
-def _layout_reason(name, shape, spec, axis_sizes) -> str:
+def layout_reason(name, shape, spec, axis_sizes) -> str:
+  """Why `spec` is not a layout `shape` can have ("" when it is): one entry per dim,
+  each a tuple of known mesh axes, every axis used once, every dim divisible."""
   if spec is None:
     return f"{name} layout unknown"
   if len(spec) != len(shape):
