@@ -100,8 +100,7 @@ class Emitter:
     # Explicit mode: the rest of the program was typed with the original result layout.
     want = getattr(eqn.outvars[0].aval, "sharding", None)
     if isinstance(want, NamedSharding) and _is_explicit(want):
-      if jax.typeof(out).sharding.spec != want.spec:
-        out = jax.sharding.reshard(out, want.spec)
+      out = _reshard_explicit(out, want.spec)
     return out
 
   def subjaxpr(self, closed_or_open, prefix_key):
