@@ -8,6 +8,7 @@ never imports the pass or the rewrites.
              lower_bound
   autotune   best_plan (one site), transformer_problems, recommend_mesh (mesh shapes),
              transformer_memory, paper_assumptions
+  memory     per-site peak bytes of a plan, chip capacity, training-step memory
   topology   per-mesh-axis bandwidth from the torus / node geometry (profile_for_mesh)
   timeline   predicted schedules as Chrome / Perfetto trace JSON
   cli        `python -m meshslice autotune`
@@ -18,24 +19,28 @@ Example:
   ...           dataflows=("os",)).ksplit
   6
 """
-from .autotune import (Choice, LayerChoice, LayerProblem, MemoryEstimate, MeshRecommendation,
+from . import memory
+from .autotune import (Choice, LayerChoice, LayerProblem, MeshRecommendation,
                        MeshResult, ModelSpec, best_plan, evaluate_mesh, mesh_shapes,
                        model_spec, paper_assumptions, recommend_mesh, transformer_memory,
                        transformer_problems, valid_ksplits, variants)
+from .memory import (MemoryEstimate, chip_capacity, site_memory, site_peak_bytes,
+                     why_too_big)
 from .profiles import (CollectiveParams, GemmEfficiency, HardwareProfile, known_profiles,
                        load_profile, save_profile)
 from .timeline import trace_events, write_trace
 from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, Schedule, algorithm_doc,
-                     algorithm_options, lower_bound, predict, schedule, site_memory,
-                     wang_ring_axis, why_invalid)
+                     algorithm_options, lower_bound, predict, schedule, wang_ring_axis,
+                     why_invalid)
 from .topology import Topology, describe_axes, profile_for_mesh
 
 __all__ = ["ALGORITHMS", "DATAFLOWS", "Choice", "CollectiveParams", "Cost", "GemmEfficiency",
            "GemmProblem", "HardwareProfile", "LayerChoice", "LayerProblem", "MemoryEstimate",
            "MeshRecommendation", "MeshResult", "ModelSpec", "Schedule", "Topology",
-           "algorithm_doc", "algorithm_options",
+           "algorithm_doc", "algorithm_options", "chip_capacity",
            "best_plan", "describe_axes", "evaluate_mesh", "known_profiles", "lower_bound",
            "load_profile", "mesh_shapes", "model_spec", "paper_assumptions", "predict",
            "profile_for_mesh", "recommend_mesh", "save_profile", "schedule", "site_memory",
+           "site_peak_bytes",
            "trace_events", "transformer_memory", "transformer_problems", "valid_ksplits",
-           "variants", "wang_ring_axis", "why_invalid", "write_trace"]
+           "variants", "wang_ring_axis", "why_invalid", "why_too_big", "write_trace"]

@@ -13,8 +13,10 @@ import json
 
 from .profiles import HardwareProfile, load_profile
 from .topology import describe_axes, profile_for_mesh
+from .memory import ADAM_BYTES_PER_PARAM, MemoryEstimate, site_memory, training_memory
+from .memory import gib as _gib
 from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, lower_bound, predict,
-                     site_memory, wang_ring_axis, why_invalid)
+                     wang_ring_axis, why_invalid)
 
 # What the pass can emit today (meshslice.rewrites.ALGORITHMS); the default choice set.
 EMITTABLE = ("collective", "meshslice")
@@ -135,7 +137,7 @@ def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
       `valid_ksplits` value.
     max_ksplit, min_block: bounds on slicing (see `valid_ksplits`).
     memory_budget: bytes per device the site's output and communication buffers may
-      take (`timing.site_memory`); candidates that need more are skipped. None: no limit.
+      take (`memory.site_memory`); candidates that need more are skipped. None: no limit.
 
   Candidates are tried in a fixed order (ALGORITHMS, DATAFLOWS, variants, ksplit
   ascending) and only a strictly faster one replaces the best so far, so ties go to the
@@ -184,10 +186,6 @@ def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
     raise ValueError(f"no candidate can run {problem}: " + "; ".join(reasons))
   baseline = predict(problem, "collective", best.dataflow, 1, profile)
   return dataclasses.replace(best, baseline=baseline)
-
-
-def _gib(nbytes: float) -> str:
-  return f"{nbytes / 2**30:.1f} GiB"
 
 
 # ----------------------------------------------------------------------------- transformer
@@ -385,73 +383,14 @@ def transformer_problems(model: str | ModelSpec, chips: int, mesh_shape: tuple[i
 
 # ----------------------------------------------------------------------------- memory
 
-# Bytes per parameter of mixed-precision Adam: bf16 weight and gradient (2 + 2), float32
-# master weight, first and second moments (4 + 4 + 4).
-ADAM_BYTES_PER_PARAM = 16
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryEstimate:
-  """Bytes per chip of a transformer training step on one mesh (see `transformer_memory`).
-
-  Attributes:
-    states: weights, gradients and optimizer state of the resident layers.
-    saved: activations kept for the backward pass (full rematerialisation: each
-      resident layer's input).
-    working: one layer's activations while it is recomputed and differentiated.
-    gemm: the largest output + communication buffers of one GEMM plan (filled in by
-      evaluate_mesh; `timing.site_memory`).
-    capacity: HBM per chip (0: unknown, nothing checked).
-
-  Example:
-    >>> m = transformer_memory("gpt3", 256, "tpu-v4")
-    >>> round(m.states / 2**30, 1), round(m.free_for_gemm / 2**30, 1)
-    (10.1, 16.0)
-  """
-
-  states: float
-  saved: float
-  working: float
-  capacity: float
-  gemm: float = 0.0
-  layers: int = 1
-
-  @property
-  def total(self) -> float:
-    return self.states + self.saved + self.working + self.gemm
-
-  @property
-  def free_for_gemm(self) -> float:
-    """Capacity left for one GEMM's buffers (inf when the capacity is unknown)."""
-    if not self.capacity:
-      return float("inf")
-    return self.capacity - self.states - self.saved - self.working
-
-  @property
-  def fits(self) -> bool:
-    return not self.capacity or self.total <= self.capacity
-
-  def describe(self) -> str:
-    return (f"{_gib(self.total)} per chip of {_gib(self.capacity)} (states "
-            f"{_gib(self.states)} and saved activations {_gib(self.saved)} for "
-            f"{self.layers} layers, working set {_gib(self.working)}, GEMM buffers "
-            f"{_gib(self.gemm)})")
-
-
 def transformer_memory(model: str | ModelSpec, chips: int, profile: HardwareProfile | str,
                        *, batch: int | None = None, dtype_bytes: int = 2,
                        memory_layers: int | None = None,
                        bytes_per_param: int = ADAM_BYTES_PER_PARAM) -> MemoryEstimate:
   """Per-chip memory of training `memory_layers` layers (default: all of the model's)
-  with 2D tensor parallelism over `chips` chips (everything sharded over all chips):
-
-    states   = 12 H^2 params per layer * bytes_per_param * layers / chips
-    saved    = T * H * dtype_bytes * layers / chips           (remat: layer inputs only)
-    working  = (14 T * H + batch * heads * seq^2) * dtype_bytes / chips
-               (one layer's activations: qkv 3H, attention output H, residual and norms
-                2H, MLP 4H + 4H; attention probabilities unfused)
-
-  with T = batch * seq tokens. The GEMM buffers come on top (evaluate_mesh).
+  with 2D tensor parallelism over `chips` chips: `memory.training_memory` (states,
+  saved activations, working set; formulas there) for a named model. The GEMM buffers
+  come on top (evaluate_mesh).
 
   Example:
     >>> m = transformer_memory("megatron", 256, "tpu-v4")     # all 105 layers
@@ -465,12 +404,9 @@ def transformer_memory(model: str | ModelSpec, chips: int, profile: HardwareProf
   layers = spec.layers if memory_layers is None else memory_layers
   _check_positive(layers, "memory_layers")
   _check_positive(bytes_per_param, "bytes_per_param")
-  h, tokens = spec.hidden, batch * spec.seq
-  states = 12 * h * h * bytes_per_param * layers / chips
-  saved = tokens * h * dtype_bytes * layers / chips
-  working = (14 * tokens * h + batch * spec.heads * spec.seq ** 2) * dtype_bytes / chips
-  return MemoryEstimate(states=states, saved=saved, working=working,
-                        capacity=profile.hbm_capacity, layers=layers)
+  return training_memory(hidden=spec.hidden, heads=spec.heads, seq=spec.seq, layers=layers,
+                         batch=batch, chips=chips, capacity=profile.hbm_capacity,
+                         dtype_bytes=dtype_bytes, bytes_per_param=bytes_per_param)
 
 
 def mesh_shapes(chips: int) -> tuple[tuple[int, int], ...]:
@@ -689,7 +625,7 @@ def evaluate_mesh(model: str | ModelSpec, chips: int, mesh_shape: tuple[int, int
 
   Memory (`check_memory`, when the profile has an hbm_capacity): `transformer_memory`
   for `memory_layers` layers (default all of the model's) plus each GEMM plan's buffers
-  (`timing.site_memory`) must fit the chip; plans that do not fit are skipped, and a
+  (`memory.site_memory`) must fit the chip; plans that do not fit are skipped, and a
   shape on which some GEMM has no plan that fits is infeasible, with the reason.
 
   The bound sums, per layer, the smallest over the allowed layouts of its three GEMMs'

@@ -29,6 +29,15 @@ side of a full 16x16 pod). Several dims are summed because a multi-dimensional
 collective sends over every dim's links at once (the original MeshSlice cost model
 does the same for an axis over two torus dims).
 
+Several slices (TPU multi-slice: slices joined by the data-centre network, DCN). The
+caller says how many slices lie along each mesh axis (`dcn_shape`, as
+`mesh_utils.create_hybrid_device_mesh` takes it, or read from the devices' `slice_index`
+by `profile_for_devices`). Each slice holds mesh_shape / dcn_shape of the mesh and is
+placed on its own torus as above; a mesh axis that crosses slices gets the DCN figures
+for every collective kind: `dcn_bandwidth` (bytes/s per chip, one way) and
+`dcn_latency` per ring step. Every step of a ring waits for its slowest hop, so the
+whole axis is charged at the DCN rate even when most of its hops are ICI.
+
 Islands (H100: NVLink inside 8-GPU nodes, InfiniBand between). Devices are numbered
 node by node and the mesh is laid out row-major (as create_device_mesh does on GPU), so
 a mesh axis whose devices all sit inside one node uses the profile's dim 1 numbers
@@ -42,6 +51,9 @@ Example:
   >>> p = profile_for_mesh(v4, (32, 8))
   >>> [round(b / 1e9, 1) for b in p.all_gather.bandwidth]      # 4 links vs 2 links
   [159.5, 79.7]
+  >>> two = profile_for_mesh(v4, (64, 8), dcn_shape=(2, 1))      # 2 slices of (32, 8)
+  >>> [round(b / 1e9, 2) for b in two.all_gather.bandwidth]      # row axis over DCN
+  [6.25, 79.74]
 """
 from __future__ import annotations
 
@@ -63,9 +75,12 @@ class Topology:
     efficiency: fraction of the link rate each collective kind reaches, as
       (all_gather, reduce_scatter, permute) (torus).
     wrap_min_length, wrap_min_chips: when a dim has wrap-around links (torus).
-    max_chips: the largest slice one network holds (more chips would need the data-
-      centre network between slices, which is not modelled).
+    max_chips: the largest slice one network holds (more chips need several slices
+      joined by the data-centre network: `dcn_shape`).
     island_size: devices per node (islands).
+    dcn_bandwidth: bytes/s per chip, one way, between slices over the data-centre
+      network (0: not known; a mesh over several slices is then refused).
+    dcn_latency: seconds per ring step across slices.
   """
 
   kind: str
@@ -76,6 +91,8 @@ class Topology:
   wrap_min_chips: int = 64
   max_chips: int = 0
   island_size: int = 8
+  dcn_bandwidth: float = 0.0
+  dcn_latency: float = 0.0
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -96,6 +113,11 @@ class Topology:
           or not isinstance(self.link_bandwidth, (int, float)) or self.link_bandwidth <= 0):
         raise ValueError(f"field 'topology.link_bandwidth' must be > 0, got "
                          f"{self.link_bandwidth!r}")
+    for name in ("dcn_bandwidth", "dcn_latency"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"field 'topology.{name}' must be a number >= 0, got {value!r}")
+      object.__setattr__(self, name, float(value))
     eff = tuple(self.efficiency)
     if len(eff) != 3 or any(isinstance(e, bool) or not isinstance(e, (int, float))
                             or not 0 < e <= 2 for e in eff):
@@ -108,7 +130,8 @@ class Topology:
     return {"kind": self.kind, "physical_dims": self.physical_dims,
             "link_bandwidth": self.link_bandwidth, "efficiency": list(self.efficiency),
             "wrap_min_length": self.wrap_min_length, "wrap_min_chips": self.wrap_min_chips,
-            "max_chips": self.max_chips, "island_size": self.island_size}
+            "max_chips": self.max_chips, "island_size": self.island_size,
+            "dcn_bandwidth": self.dcn_bandwidth, "dcn_latency": self.dcn_latency}
 
   @classmethod
   def from_json_dict(cls, data) -> "Topology":
@@ -239,13 +262,18 @@ def _inside_island(topology, mesh_shape, axis) -> bool:
   return span <= topology.island_size and topology.island_size % (stride * mesh_shape[axis]) == 0
 
 
-def profile_for_mesh(profile, mesh_shape, axes=(0, 1)):
+def profile_for_mesh(profile, mesh_shape, axes=(0, 1), *, dcn_shape=None):
   """`profile` with dim 0 / dim 1 re-derived for mesh axes `axes` of `mesh_shape` (all
   of the mesh's axis sizes, in mesh order). A profile without a topology, or a mesh of
   one axis, comes back unchanged.
 
+  dcn_shape: how many slices lie along each mesh axis (None: one slice), as
+    `mesh_utils.create_hybrid_device_mesh` takes it: (2, 1) puts two slices along the
+    first axis. Axes that cross slices get the topology's DCN figures.
+
   Raises:
-    ValueError: more chips than one network holds (`Topology.max_chips`).
+    ValueError: more chips in one slice than one network holds (`Topology.max_chips`),
+      a dcn_shape that does not divide the mesh, or slices without a DCN figure.
 
   Example:
     >>> from meshslice.costmodel import load_profile
@@ -259,15 +287,18 @@ def profile_for_mesh(profile, mesh_shape, axes=(0, 1)):
   mesh_shape = tuple(int(s) for s in mesh_shape)
   if topology is None or len(mesh_shape) < 2:
     return profile
-  chips = math.prod(mesh_shape)
+  dcn = _check_dcn_shape(profile, mesh_shape, dcn_shape)
+  slice_shape = tuple(s // d for s, d in zip(mesh_shape, dcn))
+  chips = math.prod(slice_shape)
   if topology.max_chips and chips > topology.max_chips:
     raise ValueError(f"{profile.name}: {chips} chips exceed one network of "
-                     f"{topology.max_chips} (several slices over the data-centre network "
-                     f"are not modelled)")
+                     f"{topology.max_chips}; several slices over the data-centre network "
+                     f"need dcn_shape (slices per mesh axis)")
   from .profiles import CollectiveParams   # local: profiles imports this module
   params = {}
+  crosses = [dcn[a] > 1 for a in axes]
   if topology.kind == "islands":
-    inside = [_inside_island(topology, mesh_shape, a) for a in axes]
+    inside = [_inside_island(topology, mesh_shape, a) and not x for a, x in zip(axes, crosses)]
     for kind in ("all_gather", "reduce_scatter", "permute"):
       c = profile.collective(kind)
       pick = lambda values: tuple(values[1] if i else values[0] for i in inside)
@@ -275,18 +306,75 @@ def profile_for_mesh(profile, mesh_shape, axes=(0, 1)):
                                       hop_latency=pick(c.hop_latency),
                                       base_overhead=pick(c.base_overhead))
   else:
-    rates = _axis_rates(topology, mesh_shape, chips)
+    rates = _axis_rates(topology, slice_shape, chips)
     link = topology.link_bandwidth
     for kind, eff in zip(("all_gather", "reduce_scatter", "permute"), topology.efficiency):
       c = profile.collective(kind)
-      bw = []
-      for a in axes:
+      bw, hop = [], []
+      for i, a in enumerate(axes):
         rate, line, _ = rates[a]
+        if crosses[i]:     # every ring step waits for the slowest hop: the DCN one
+          bw.append(topology.dcn_bandwidth)
+          hop.append(topology.dcn_latency)
+          continue
         if kind == "permute":
           bw.append(eff * link / (2.0 if line else 1.0))
         else:
           bw.append(eff * link * max(rate, 1.0))
-      params[kind] = CollectiveParams(bandwidth=tuple(bw), hop_latency=c.hop_latency,
+        hop.append(c.hop_latency[min(i, 1)])
+      params[kind] = CollectiveParams(bandwidth=tuple(bw), hop_latency=tuple(hop),
                                       base_overhead=c.base_overhead)
   shape = "x".join(map(str, mesh_shape))
-  return dataclasses.replace(profile, name=f"{profile.name}@{shape}", **params)
+  slices = "" if math.prod(dcn) == 1 else f"/{math.prod(dcn)}slices"
+  return dataclasses.replace(profile, name=f"{profile.name}@{shape}{slices}", **params)
+
+
+def _check_dcn_shape(profile, mesh_shape, dcn_shape) -> tuple[int, ...]:
+  if dcn_shape is None:
+    return (1,) * len(mesh_shape)
+  dcn = tuple(int(d) for d in dcn_shape)
+  if len(dcn) != len(mesh_shape) or any(d < 1 or s % d for s, d in zip(mesh_shape, dcn)):
+    raise ValueError(f"dcn_shape {dcn_shape} must give, per mesh axis of {mesh_shape}, a "
+                     f"slice count that divides the axis")
+  if math.prod(dcn) > 1 and profile.topology.kind == "torus" and \
+      not profile.topology.dcn_bandwidth:
+    raise ValueError(f"{profile.name}: no DCN bandwidth in the profile's topology; a mesh "
+                     f"over {math.prod(dcn)} slices cannot be modelled")
+  return dcn
+
+
+def dcn_shape_of(devices) -> tuple[int, ...]:
+  """Slices along each axis of a device grid (a numpy array of devices, e.g.
+  `mesh.devices`): the most distinct `slice_index` values on any line along that axis.
+  Devices without a `slice_index` (one slice, CPU, GPU) count as slice 0.
+
+  Example:
+    >>> import numpy as np, types
+    >>> d = lambda s: types.SimpleNamespace(slice_index=s)
+    >>> dcn_shape_of(np.array([[d(0), d(0)], [d(1), d(1)]], dtype=object))
+    (2, 1)
+  """
+  import numpy as np
+  index = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(
+      np.asarray(devices, dtype=object))
+  out = []
+  for axis in range(index.ndim):
+    lines = np.moveaxis(index, axis, -1).reshape(-1, index.shape[axis])
+    out.append(max(len(set(line.tolist())) for line in lines))
+  return tuple(out)
+
+
+def profile_for_devices(profile, devices, axes=(0, 1)):
+  """`profile_for_mesh` for a concrete device grid (`mesh.devices`): the mesh shape is
+  the grid's, and the slices along each axis come from the devices' `slice_index`
+  (`dcn_shape_of`). Within a slice the create_device_mesh placement is assumed.
+
+  Example:
+    >>> from meshslice import aot                                   # doctest: +SKIP
+    >>> mesh = aot.make_mesh(aot.topology("v4:2x2x2", num_slices=2), (4, 4))  # doctest: +SKIP
+    >>> profile_for_devices(load_profile("tpu-v4"), mesh.devices).name        # doctest: +SKIP
+    'tpu-v4@4x4/2slices'
+  """
+  import numpy as np
+  grid = np.asarray(devices, dtype=object)
+  return profile_for_mesh(profile, grid.shape, axes, dcn_shape=dcn_shape_of(grid))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from meshslice.costmodel import autotune, profiles, timeline, timing, topology
+from meshslice.costmodel import autotune, memory, profiles, timeline, timing, topology
 from meshslice.costmodel.autotune import (Choice, best_plan, evaluate_mesh, mesh_shapes,
                                           model_spec, recommend_mesh, transformer_problems,
                                           valid_ksplits, variants)
@@ -467,7 +467,7 @@ def test_trace_events_follow_the_schedule(tmp_path):
   assert json.loads((tmp_path / "t.json").read_text())["traceEvents"] == events
 
 
-@pytest.mark.parametrize("module", [profiles, timing, autotune, timeline, topology],
+@pytest.mark.parametrize("module", [profiles, timing, autotune, timeline, topology, memory],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
@@ -724,12 +724,46 @@ def test_lower_bound_of_the_emitted_algorithms_by_hand():
 def test_site_memory_by_hand():
   p = GemmProblem(m=2000, n=4000, k=4000, rows=2, cols=4, in_bytes=2, out_bytes=4)
   # os: Y shard 1000 x 1000; collective: X 2e6 * 4 + W 4e6 * 2 gathered whole, Y at 4 B
-  assert timing.site_memory(p, "collective", "os", 1) == 8e6 + 8e6 + 4e6
+  assert memory.site_memory(p, "collective", "os", 1) == 8e6 + 8e6 + 4e6
   # meshslice S = 4: each local shard once more (its cut slices) and 2 gathered slices
   # (8e6 / 4 each) per operand, f32 accumulator
-  assert timing.site_memory(p, "meshslice", "os", 4) == (2e6 + 2 * 2e6) + (4e6 + 2 * 2e6) + 4e6
+  assert memory.site_memory(p, "meshslice", "os", 4) == (2e6 + 2 * 2e6) + (4e6 + 2 * 2e6) + 4e6
   # ls collective: W gathered (4e6 * 2) and the whole partial Y (4e6 * 4) before its RS
-  assert timing.site_memory(p, "collective", "ls", 1) == 8e6 + 16e6 + 4e6
+  assert memory.site_memory(p, "collective", "ls", 1) == 8e6 + 16e6 + 4e6
+
+
+def test_site_peak_bytes_adds_the_input_shards():
+  p = GemmProblem(m=2000, n=4000, k=4000, rows=2, cols=4, in_bytes=2, out_bytes=4)
+  # X 2000 x 4000 and W 4000 x 4000 at 2 B over 8 devices: 2e6 + 4e6 bytes each device
+  assert memory.input_bytes(p) == 6e6
+  for algorithm, dataflow, ksplit in [("collective", "os", 1), ("meshslice", "os", 4),
+                                      ("collective", "ls", 1), ("meshslice", "rs", 5)]:
+    assert memory.site_peak_bytes(p, algorithm, dataflow, ksplit) == \
+        6e6 + memory.site_memory(p, algorithm, dataflow, ksplit)
+  # more slices, smaller buffers: the peak falls with S (os: 2 gathered slices of n/S)
+  peaks = [memory.site_peak_bytes(p, "meshslice", "os", s) for s in (2, 4, 8)]
+  assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+  with pytest.raises(ValueError, match="ksplit"):
+    memory.site_peak_bytes(p, "meshslice", "os", 3)     # 4000 / (3 * lcm 4) not exact
+
+
+def test_why_too_big_excludes_plans_over_the_chip_and_says_why():
+  # Megatron-NLG backward-data on (2, 128) v4 chips: the collective's whole partial
+  # output (T/2 x 4H in bf16, 40.3 GiB) does not fit 32 GiB; S = 16 slices do.
+  p = GemmProblem(m=524288, n=81920, k=20480, rows=2, cols=128)
+  v4 = load_profile("tpu-v4")
+  assert memory.chip_capacity(v4) == 32 * 2**30
+  reason = memory.why_too_big(p, "collective", "ls", 1, v4)
+  assert reason.startswith("needs 40.4 GiB per chip") and "32.0 GiB free of 32.0 GiB" in reason
+  assert memory.why_too_big(p, "meshslice", "ls", 16, v4) == ""
+  # reserved bytes (weights, saved activations) shrink what is free
+  need = memory.site_peak_bytes(p, "meshslice", "ls", 16)
+  assert memory.why_too_big(p, "meshslice", "ls", 16, v4, reserved=v4.hbm_capacity - need) == ""
+  assert memory.why_too_big(p, "meshslice", "ls", 16, v4,
+                            reserved=v4.hbm_capacity - need + 1) != ""
+  # 95 GiB v5p chips hold the collective; a profile without capacity checks nothing
+  assert memory.why_too_big(p, "collective", "ls", 1, load_profile("tpu-v5p")) == ""
+  assert memory.why_too_big(p, "collective", "ls", 1, autotune.paper_assumptions()) == ""
 
 
 def test_memory_excludes_plans_and_shapes():
@@ -824,6 +858,58 @@ def test_islands_and_network_limits():
                        topology=False).feasible
 
 
+def test_an_axis_across_slices_gets_the_dcn_figures():
+  v4 = load_profile("tpu-v4")
+  one = topology.profile_for_mesh(v4, (32, 8))                       # one 256-chip slice
+  two = topology.profile_for_mesh(v4, (64, 8), dcn_shape=(2, 1))     # two of them
+  assert two.name == "tpu-v4@64x8/2slices"
+  for kind in ("all_gather", "reduce_scatter", "permute"):
+    c = two.collective(kind)
+    assert c.bandwidth[0] == v4.topology.dcn_bandwidth == 6.25e9
+    assert c.hop_latency[0] == v4.topology.dcn_latency
+    # the column axis stays inside each slice: the same as on one slice
+    assert c.bandwidth[1] == one.collective(kind).bandwidth[1]
+    assert c.hop_latency[1] == one.collective(kind).hop_latency[1]
+  # slices along the column axis instead: the row axis keeps its ICI figure
+  cols = topology.profile_for_mesh(v4, (32, 16), dcn_shape=(1, 2))
+  assert cols.all_gather.bandwidth == (one.all_gather.bandwidth[0], 6.25e9)
+  # the same site is slower when its row axis crosses the DCN
+  p = GemmProblem(m=65536, n=12288, k=12288, rows=64, cols=8)
+  assert timing.predict(p, "collective", "os", 1, two).comm_s > \
+      5 * timing.predict(p, "collective", "os", 1, topology.profile_for_mesh(v4, (64, 8))).comm_s
+  # v5e: 512 chips do not fit one pod, but do as two 256-chip slices
+  v5e = load_profile("tpu-v5e")
+  with pytest.raises(ValueError, match="need dcn_shape"):
+    topology.profile_for_mesh(v5e, (32, 16))
+  assert topology.profile_for_mesh(v5e, (32, 16), dcn_shape=(2, 1)).all_gather.bandwidth[0] \
+      == 3.125e9
+  with pytest.raises(ValueError, match="must give, per mesh axis"):
+    topology.profile_for_mesh(v4, (6, 8), dcn_shape=(4, 1))
+  no_dcn = dataclasses.replace(v4, topology=dataclasses.replace(v4.topology, dcn_bandwidth=0.0))
+  with pytest.raises(ValueError, match="no DCN bandwidth"):
+    topology.profile_for_mesh(no_dcn, (64, 8), dcn_shape=(2, 1))
+  assert topology.profile_for_mesh(no_dcn, (32, 8), dcn_shape=(1, 1)).all_gather == \
+      one.all_gather
+
+
+def test_slices_per_axis_from_the_devices():
+  import types
+
+  import numpy as np
+  dev = lambda s: types.SimpleNamespace(slice_index=s)
+  # 2 slices stacked along axis 0 (how create_hybrid_device_mesh with (2, 1) lays them)
+  grid = np.array([[dev(0)] * 8] * 32 + [[dev(1)] * 8] * 32, dtype=object)
+  assert topology.dcn_shape_of(grid) == (2, 1)
+  assert topology.dcn_shape_of(grid.T) == (1, 2)
+  v4 = load_profile("tpu-v4")
+  assert topology.profile_for_devices(v4, grid) == \
+      topology.profile_for_mesh(v4, (64, 8), dcn_shape=(2, 1))
+  # no slice_index (one slice, CPU or GPU devices): nothing crosses slices
+  plain = np.array([[object()] * 8] * 32, dtype=object)
+  assert topology.dcn_shape_of(plain) == (1, 1)
+  assert topology.profile_for_devices(v4, plain) == topology.profile_for_mesh(v4, (32, 8))
+
+
 def test_topology_moves_the_decision():
   # with the fixed profile dims the row axis always gets the measured dim-0 numbers
   fixed = recommend_mesh(256, model="gpt3", check_memory=False, topology=False)
@@ -841,6 +927,8 @@ def test_topology_moves_the_decision():
                                                         "3 numbers"),
     (lambda d: d["topology"].update(hops=3), "field 'topology' has unknown keys ['hops']"),
     (lambda d: d["topology"].pop("kind"), "missing field 'topology.kind'"),
+    (lambda d: d["topology"].update(dcn_bandwidth=-1), "field 'topology.dcn_bandwidth' must "
+                                                       "be a number >= 0"),
 ])
 def test_malformed_topology(tmp_path, edit, message):
   path = _broken(tmp_path, edit)
