@@ -534,11 +534,24 @@ class _Reader:
           c = inner["collectives"][0]
           return _renamed(self.collective_op(c, "start" if start else "done", c.opcode,
                                     result_type=c.type_text), instr)
+      if inner["collectives"] and not inner["opcodes"] & {"convolution", "dot"}:
+        return self._collective_fusion(instr, inner["collectives"][0])
       if inner["opcodes"] & {"convolution", "dot"}:
         return self._dot(Op(kind="dot", flops=inner["flops"], **base))
       if called and self._is_relayout_fusion(comp, instr, called[0]):
         return Op(kind="copy", relayout=True, **base)
     return Op(kind="other", **base)
+
+  def _collective_fusion(self, instr: _Instr, inner: _Instr) -> Op:
+    """A synchronous collective the TPU compiler wrapped in a fusion. The dense program's
+    reduce-scatters look like this: a kCustom fusion calling `%all-reduce-scatter`, an
+    all-reduce whose result is dynamic-sliced to this device's piece (run as one
+    reduce-scatter). Counted as that reduce-scatter, of the fusion's (sliced) result."""
+    if inner.opcode == "all-reduce" and _nbytes(instr.type_text) < _nbytes(inner.type_text):
+      return _renamed(self.collective_op(inner, "collective", "reduce-scatter",
+                                         result_type=instr.type_text), instr)
+    return _renamed(self.collective_op(inner, "collective", inner.opcode,
+                                       result_type=inner.type_text), instr)
 
   def _dot(self, op: Op) -> Op:
     if op.cycles or not op.flops:

@@ -79,6 +79,33 @@ def test_sync_collective_adds_to_compute():
   assert sim.exposed_s == pytest.approx(AG4)
 
 
+# How the dense program's reduce-scatter looks on TPU: an all-reduce dynamic-sliced to this
+# device's piece, wrapped in a kCustom fusion (libtpu runs it as one reduce-scatter).
+FUSED_RS = _module("""
+ENTRY %main (p0: bf16[4096,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %rs = bf16[1024,1024]{1,0:T(8,128)(2,1)} fusion(%p0), kind=kCustom, calls=%all-reduce-scatter
+}""", """
+%all-reduce-scatter (input: bf16[4096,1024]) -> bf16[1024,1024] {
+  %input = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %ar = bf16[4096,1024]{1,0:T(8,128)(2,1)} all-reduce(%input), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+  %id = u32[] partition-id()
+  %c = u32[] constant(0)
+  ROOT %ds = bf16[1024,1024]{1,0:T(8,128)(2,1)} dynamic-slice(%ar, %id, %c), dynamic_slice_sizes={1024,1024}
+}""")
+
+
+def test_reduce_scatter_wrapped_in_a_fusion_is_a_reduce_scatter():
+  op, = [op for op in ts.read_schedule(FUSED_RS).expanded() if op.name == "rs"]
+  assert (op.kind, op.collective, op.group, op.link) == ("collective", "reduce-scatter",
+                                                         (0, 1, 2, 3), 1)
+  assert op.bytes == MiB2 and op.moved_bytes == 3 * MiB2     # result * (n-1)
+  summary = ts.summarize(FUSED_RS)
+  assert summary.collective_count == {"reduce-scatter": 1}
+  assert summary.sync_collectives == 1
+  assert ts.simulate(FUSED_RS, "tpu-v4").sync_collective_s > 0
+
+
 ASYNC = _module("""
 ENTRY %main (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[4096,1024] {
   %p0 = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(0)
