@@ -65,15 +65,19 @@ class Report:
   def write_trace(self, path: str) -> None:
     """Write the predicted schedule of every rewritten site (compute stream and each
     mesh axis's link, sites laid end to end) as Chrome/Perfetto trace JSON: open it in
-    ui.perfetto.dev or chrome://tracing to see what overlaps what."""
+    ui.perfetto.dev or chrome://tracing to see what overlaps what. Each site is timed
+    with the profile the planner used for it (`costing.site_profile`: bandwidths of its
+    own mesh axes, derived from the topology), so a span lasts the site's predicted time
+    less any reshard the planner added before it."""
     from meshslice import costmodel
-    from .costing import model_dataflow
+    from .costing import model_dataflow, site_profile
     schedules = []
     for s in self.rewritten:
       label = f"#{s.index} {s.algorithm} {s.dataflow} S={s.ksplit} ({s.source})"
+      profile = site_profile(self.hardware, s.geometry, self.mesh_shape)
       schedules.append((label, costmodel.schedule(s.problem, s.algorithm,
                                                   model_dataflow(s.dataflow), s.ksplit,
-                                                  self.hardware)))
+                                                  profile)))
     costmodel.write_trace(path, costmodel.trace_events(schedules))
 
   @property

@@ -1,0 +1,38 @@
+"""Report.write_trace times each site with the profile the planner used for it."""
+import json
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+from meshslice import costing, costmodel
+
+from helpers import mesh
+
+
+def test_trace_spans_last_the_predicted_time_under_the_site_profile(tmp_path):
+  # GPT-3-sized abstract operands on a (2, 4) mesh, planned with tpu-v4: its topology
+  # gives the 2-long row axis a different bandwidth from the profile's fixed dim 0, so a
+  # trace timed with the base profile would disagree with the planner's prediction.
+  msh = mesh((2, 4))
+  s = NamedSharding(msh, P("x", "y"))
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=s)
+  f = jax.jit(lambda x, w: x @ w, in_shardings=(s, s), out_shardings=s)
+  report = meshslice.explain(f, profile="tpu-v4", relayout=False)(spec((1024, 12288)), spec((12288, 12288)))
+  sites = [x for x in report.rewritten if "instead of" not in x.note]   # no reshard added
+  assert sites
+  path = tmp_path / "trace.json"
+  report.write_trace(str(path))
+  spans = {e["name"]: e for e in json.loads(path.read_text())["traceEvents"]
+           if e.get("ph") == "X" and e["tid"] == 3}
+  base = costmodel.load_profile("tpu-v4")
+  for site in sites:
+    label = f"#{site.index} {site.algorithm} {site.dataflow} S={site.ksplit} ({site.source})"
+    assert abs(spans[label]["dur"] - site.predicted_seconds * 1e6) < 1e-2, label
+    # the base profile's fixed dims would have timed it differently
+    flow = costing.model_dataflow(site.dataflow)
+    plain = costmodel.schedule(site.problem, site.algorithm, flow, site.ksplit, base)
+    assert abs(plain.cost().total_s - site.predicted_seconds) > 0.05 * site.predicted_seconds
+    assert costing.site_profile(base, site.geometry, report.mesh_shape).name == "tpu-v4@2x4"
