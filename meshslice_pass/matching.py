@@ -117,9 +117,12 @@ def _groups(dimension_numbers, lhs_ndim, rhs_ndim):
 
 
 def natural_output_spec(dimension_numbers, lhs_spec, rhs_spec):
-  """Output spec of a dot_general that needs no communication, or None if it does."""
+  """Output spec of a dot_general that needs no communication, or None if it does.
+
+  A contraction split over an axis needs a sum over it, and its result can be left
+  split (reduce-scatter) or whole (all-reduce): the consumers decide, so None."""
   lc, rc, lb, rb, lf, rf = _groups(dimension_numbers, len(lhs_spec), len(rhs_spec))
-  if any(lhs_spec[a] != rhs_spec[b] for a, b in zip(lc, rc)):
+  if any(lhs_spec[a] != rhs_spec[b] or lhs_spec[a] for a, b in zip(lc, rc)):
     return None
   if any(lhs_spec[a] != rhs_spec[b] for a, b in zip(lb, rb)):
     return None
@@ -299,25 +302,58 @@ def _ls_rs(ops, r):
 
 
 def _scatter_1d(ops, r):
-  """1D reduce-scatter (row-parallel linear): partial sums over axis b are scattered
-  along a free dim that is not split yet; which one depends on the wanted layout."""
-  b, lk, rk = max(r.shared_k, key=lambda t: (ops.axis_sizes[t[0]], -ops.mesh_order(t[0])))
-  reduce = tuple(x for x, *_ in r.shared_k if x != b)
-  found = []
+  """1D reduce-scatter (row-parallel linear, FSDP weight gradient): partial sums over a
+  contracting axis b are scattered along a free dim, appended to that dim's axes as the
+  minor one; the other contracting axes are summed with a psum. One candidate per b (the
+  largest first, ties: mesh order) and free dim (unsplit dims first), so the output layout
+  the program wants picks among them. First comes the all-reduce form (`_all_reduce_1d`):
+  the result unsplit over every contracting axis, what GSPMD gives when nobody asks."""
+  # the all-reduce first: with no consumer asking, the result stays whole, as in GSPMD
+  found = _all_reduce_1d(ops, r)
+  for b, lk, rk in sorted(r.shared_k, key=lambda t: (-ops.axis_sizes[t[0]],
+                                                     ops.mesh_order(t[0]))):
+    reduce = tuple(x for x, *_ in r.shared_k if x != b)
+    free = [("lhs", d, ops.lhs_shape, ops.lhs_spec) for d in ops.lf]
+    free += [("rhs", d, ops.rhs_shape, ops.rhs_spec) for d in ops.rf]
+    for operand, d, shape, spec in sorted(free, key=lambda t: bool(t[3][t[1]])):
+      extent = shape[d] // math.prod(ops.axis_sizes[a] for a in spec[d])
+      if extent % ops.axis_sizes[b]:
+        continue
+      override = {"m_override" if operand == "lhs" else "n_override": (d, spec[d] + (b,))}
+      found.append(Match(dataflow="1d-scatter", row_axis=b, col_axis=b, lhs_dim=lk,
+                         rhs_dim=rk, out_dim=ops.out_position(operand, d),
+                         global_extent=extent, reduce_axes=reduce,
+                         out_spec=ops.out_spec(**override)))
+  if not found:
+    b = max(r.shared_k, key=lambda t: (ops.axis_sizes[t[0]], -ops.mesh_order(t[0])))[0]
+    raise _LeftAlone(f"contraction split over {b!r} and no free dim can take the scattered "
+                     "result or be cut into slices: a plain all-reduce")
+  return found
+
+
+def _all_reduce_1d(ops, r):
+  """The all-reduce form: psum the partial sums over every contracting axis, slice by
+  slice along a free dim whose local extent the largest contracting axis divides: not the
+  output's last dim if another fits (cutting the minor dim costs copies on TPU), then the
+  largest, then the more major. The output layout stays as it is."""
+  axis, lk, rk = max(r.shared_k, key=lambda t: (ops.axis_sizes[t[0]], -ops.mesh_order(t[0])))
+  last = len(ops.lb) + len(ops.lf) + len(ops.rf) - 1
+  fits = []
   for operand, dims, shape, spec in (("lhs", ops.lf, ops.lhs_shape, ops.lhs_spec),
                                      ("rhs", ops.rf, ops.rhs_shape, ops.rhs_spec)):
     for d in dims:
-      if spec[d] or shape[d] % ops.axis_sizes[b]:
-        continue
-      override = {"m_override" if operand == "lhs" else "n_override": (d, (b,))}
-      found.append(Match(dataflow="1d-scatter", row_axis=b, col_axis=b, lhs_dim=lk,
-                         rhs_dim=rk, out_dim=ops.out_position(operand, d),
-                         global_extent=shape[d], reduce_axes=reduce,
-                         out_spec=ops.out_spec(**override)))
-  if not found:
-    raise _LeftAlone(f"contraction split over {b!r} and no free dim can take the scattered "
-                     "result: a plain all-reduce")
-  return found
+      extent = shape[d] // math.prod(ops.axis_sizes[a] for a in spec[d])
+      position = ops.out_position(operand, d)
+      if extent % ops.axis_sizes[axis] == 0:
+        fits.append((position == last, -extent, position))
+  if not fits:
+    return []
+  _, extent, out_dim = min(fits)
+  extent = -extent
+  return [Match(dataflow="1d-allreduce", row_axis=axis, col_axis=axis, lhs_dim=lk,
+                rhs_dim=rk, out_dim=out_dim, global_extent=extent,
+                reduce_axes=tuple(x for x, *_ in r.shared_k if x != axis),
+                out_spec=ops.out_spec())]
 
 
 def geometry_of(match: Match, dimension_numbers, axis_sizes, **dot_params):
@@ -330,6 +366,7 @@ def geometry_of(match: Match, dimension_numbers, axis_sizes, **dot_params):
   if match.dataflow.startswith("1d"):
     return OneDGeometry(
         kind="all_gather" if match.dataflow == "1d-gather" else "reduce_scatter",
+        all_reduce=match.dataflow == "1d-allreduce",
         axis=match.row_axis, axis_size=axis_sizes[match.row_axis], **common)
   return GemmGeometry(dataflow=match.dataflow, row_axis=match.row_axis,
                       col_axis=match.col_axis, row_size=axis_sizes.get(match.row_axis, 1),
@@ -412,22 +449,38 @@ def classify(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
 def choose(classification: Classification, demanded_out_spec):
   """The match whose output layout the program wants; the first one when unconstrained.
 
-  Returns (match or None, reason)."""
+  A site whose contraction is split and whose result is wanted unsplit over every
+  contracting axis gets the all-reduce form ("1d-allreduce") when it was proved, else it
+  is left alone (GSPMD's all-reduce). Returns (match or None, reason)."""
   if not classification.matches:
     return None, classification.reason
   if demanded_out_spec is None:
     return classification.matches[0], ""
-  first = classification.matches[0]
-  if first.dataflow == "1d-scatter" and first.row_axis not in S.axes_of(demanded_out_spec):
-    return None, (f"contraction split over {first.row_axis!r} and the result is wanted "
-                  "unsplit over it: a plain all-reduce, left to GSPMD")
   for m in classification.matches:
     if m.out_spec == demanded_out_spec:
       return m, ""
+  scatters = [m for m in classification.matches if m.dataflow == "1d-scatter"]
+  if scatters or classification.matches[0].dataflow == "1d-allreduce":
+    wanted = S.axes_of(demanded_out_spec)
+    usable = [m for m in scatters if m.row_axis in wanted]
+    if not usable:
+      reduce = [m for m in classification.matches if m.dataflow == "1d-allreduce"]
+      if reduce:
+        # the consumer reshards the replicated result as it would GSPMD's
+        return reduce[0], ""
+      b = scatters[0].row_axis
+      return None, (f"contraction split over {b!r} and the result is wanted unsplit over "
+                    "it: a plain all-reduce, left to GSPMD")
+    return _closest(usable, demanded_out_spec), ""
   if len(classification.matches) == 1:
     # Auto mode: our output layout is valid; GSPMD reshards it if needed downstream.
     return classification.matches[0], ""
-  # Neither LS nor RS produces the demanded layout: prefer the one closer to it.
+  return _closest(classification.matches, demanded_out_spec), ""
+
+
+def _closest(matches, demanded_out_spec):
+  """Neither LS nor RS (nor any scatter dim) produces the demanded layout: prefer the one
+  closer to it."""
   def agreement(m):
     return sum(a == b for a, b in zip(m.out_spec, demanded_out_spec))
-  return max(classification.matches, key=agreement), ""
+  return max(matches, key=agreement)

@@ -12,7 +12,9 @@ principles, knowing only what the emitted code does (docs/design.md):
      pair and every batch pair is split over the *same axes in the same order* on lhs
      and rhs (then both hold the same global indices).
   4. The partial products are summed over exactly the axes that still split a
-     contracting pair: the reduce-scatter axis plus `reduce_axes` (psum).
+     contracting pair: the reduce-scatter axis plus `reduce_axes` (psum); an all-reduce
+     site (a 1D geometry with all_reduce=True) psums over its axis plus `reduce_axes`
+     and leaves the output layout as it is, cutting a free dim into slices only.
   5. What remains is the output layout: batch dims, then lhs free, then rhs free, each
      with its tuple; it must equal the out_spec the shard_map declares, use each axis
      once, and divide the output dims.
@@ -52,6 +54,7 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
     return "an operand has a zero-size dim: nothing to compute or communicate"
 
   gathers, scatter = _communication(geometry)
+  psummed = geometry.axis if getattr(geometry, "all_reduce", False) else None
   local = {"lhs": list(lhs_spec), "rhs": list(rhs_spec)}
   shapes = {"lhs": lhs_shape, "rhs": rhs_shape}
   for operand, dim, axis in gathers:
@@ -74,7 +77,8 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
                 f"{local['rhs'][b]}: the local blocks would not hold the same indices "
                 "(the axes and their order must match)")
   summed = {ax for a in lc for ax in local["lhs"][a]}
-  wanted_sum = set(geometry.reduce_axes) | ({scatter} if scatter else set())
+  wanted_sum = (set(geometry.reduce_axes) | ({scatter} if scatter else set())
+                | ({psummed} if psummed else set()))
   if summed != wanted_sum:
     return (f"the local products are partial over {sorted(summed)} but the rewrite sums "
             f"over {sorted(wanted_sum)}")
@@ -94,6 +98,15 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
       return (f"communicated extent {geometry.global_extent} is not the size {within} of "
               f"output dim {d} within one shard of its other axes")
     out[d] = out[d] + (scatter,)
+  if psummed:
+    # the psum keeps the layout; out_dim is only cut into slices, locally
+    d = geometry.out_dim
+    if d is None or not len(lb) <= d < len(out):
+      return f"the rewrite slices output dim {d}, which is not a free dim"
+    within = out_shape[d] // _size(out[d], axis_sizes)
+    if within != geometry.global_extent:
+      return (f"sliced extent {geometry.global_extent} is not the size {within} of output "
+              f"dim {d} within one shard of its axes")
   if tuple(out) != tuple(out_spec):
     return (f"the rewrite would produce output layout {tuple(out)}, not the declared "
             f"{tuple(out_spec)}")
@@ -107,7 +120,7 @@ def _communication(geometry):
       operand = "lhs" if geometry.lhs_dim is not None else "rhs"
       dim = geometry.lhs_dim if operand == "lhs" else geometry.rhs_dim
       return [(operand, dim, geometry.axis)], None
-    return [], geometry.axis
+    return [], (None if geometry.all_reduce else geometry.axis)
   assert isinstance(geometry, GemmGeometry)
   g = geometry
   if g.dataflow == "os":

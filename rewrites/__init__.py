@@ -19,7 +19,7 @@ ALGORITHMS = ("meshslice", "collective", "cannon", "wang", "summa")
 
 # The algorithms of a 1D site and what they mean there.
 _ONED = {"meshslice": "sliced collectives", "collective": "one collective",
-         "wang": "ppermute ring"}
+         "wang": "ppermute ring (not for all-reduce sites)"}
 
 
 def supports(algorithm: str, geometry) -> str:
@@ -36,7 +36,7 @@ def supports(algorithm: str, geometry) -> str:
       return (f"{algorithm} needs a 2D site (a matmul sharded over two mesh axes); this is "
               f"a 1D {geometry.kind} site over {geometry.axis!r}: use one of "
               f"{', '.join(_ONED)}")
-    return oned.unsupported(geometry)
+    return oned.unsupported(geometry, ring=algorithm == "wang")
   if not isinstance(geometry, GemmGeometry):
     return f"geometry must be a GemmGeometry or OneDGeometry, got {type(geometry).__name__}"
   if None in (geometry.row_axis, geometry.col_axis) and algorithm not in ("meshslice",

@@ -122,6 +122,12 @@ class OneDGeometry(_Slicing):
   activations entering a Megatron MLP), reduce_scatter: Y[M:a, N] =
   reduce_scatter(X[M, K:a] . W[K:a, N], a) (leaving it).
 
+  With `all_reduce=True` a reduce_scatter geometry sums the partial products with a psum
+  instead: Y[M, N] = psum(X[M, K:a] . W[K:a, N], a), the output keeps out_dim's layout
+  (replicated over `axis`), and out_dim is only the dim cut into slices so that the psum
+  of one slice runs beside the matmul of the next (a row-parallel layer, or a
+  data-parallel weight gradient, whose consumer wants the result whole).
+
   Attributes:
     dimension_numbers: the dot_general's ((lhs_contract, rhs_contract),
       (lhs_batch, rhs_batch)).
@@ -130,7 +136,10 @@ class OneDGeometry(_Slicing):
     lhs_dim, rhs_dim: all_gather: exactly one is set, the gathered free dim of that
       operand; reduce_scatter: both are set, the sharded contracting dims.
     out_dim: the output position of the communicated dim (a free dim, not batch).
-    global_extent: global size of the communicated dim (the gathered dim, or out_dim).
+    global_extent: global size of the communicated dim (the gathered dim, or out_dim);
+      with all_reduce, the size of out_dim within one shard of the axes that split it.
+    all_reduce: reduce_scatter only: psum the partial sums over `axis` (and reduce_axes)
+      slice by slice instead of scattering them; the output is not split over `axis`.
     reduce_axes, precision, preferred_element_type, out_dtype: as in `GemmGeometry`.
 
   Example:
@@ -153,8 +162,12 @@ class OneDGeometry(_Slicing):
   precision: object = None
   preferred_element_type: object = None
   out_dtype: object = None
+  all_reduce: bool = False
 
   def __post_init__(self):
+    if self.all_reduce and self.kind != "reduce_scatter":
+      raise ValueError("all_reduce=True sums partial products: it needs kind='reduce_scatter' "
+                       f"(sharded contracting dims), got kind={self.kind!r}")
     if self.kind not in ONED_KINDS:
       raise ValueError(f"kind must be one of {ONED_KINDS}, got {self.kind!r}")
     if self.kind == "all_gather" and (self.lhs_dim is None) == (self.rhs_dim is None):

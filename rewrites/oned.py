@@ -5,13 +5,17 @@ patterns of 1D tensor / sequence parallelism (layouts in `OneDGeometry`):
 
   all_gather:     Y = all_gather(X, a, M) . W        the gathered operand moves
   reduce_scatter: Y = reduce_scatter(X . W, a, N)    the partial sums move
+  all_reduce:     Y = psum(X . W, a)                 the partial sums move, Y stays whole
+                  (a reduce_scatter geometry with all_reduce=True)
 
 Three forms, all with the same layouts:
   `build_oned_collective`  one blocking collective (what GSPMD emits)
   `build_oned_sliced`      ksplit sliced collectives, each beside the previous slice's
                            matmul (MeshSlice with one axis)
   `build_oned_ring`        a ring of n - 1 ppermutes (collective matmul, as in Wang et al.
-                           and PyTorch async TP), optionally bidirectional
+                           and PyTorch async TP), optionally bidirectional; not for
+                           all_reduce (a ring all-reduce is two rings; the sliced psum is
+                           what XLA already runs as one)
 
 check_vma: when an all_gather site's output is replicated over the axis (the other
 operand does not vary over it, e.g. Y[M, N] = all_gather(X[M:a, K]) . W[K, N]), only the
@@ -60,8 +64,12 @@ def _source(g: OneDGeometry, lhs_ndim: int, rhs_ndim: int):
   return operand, dim
 
 
-def unsupported(geometry: OneDGeometry, ksplit: int = 1, bidirectional: bool = False) -> str:
-  """Why the 1D builders cannot serve these arguments, or ""."""
+def unsupported(geometry: OneDGeometry, ksplit: int = 1, bidirectional: bool = False,
+                ring: bool = False) -> str:
+  """Why the 1D builders (the ring builder when `ring`) cannot serve these arguments, or ""."""
+  if ring and geometry.all_reduce:
+    return ("wang: an all-reduce site keeps its result whole, there is no ring to pass "
+            "blocks around; use meshslice (sliced psums) or collective")
   reason = extent_reason(geometry)
   if reason:
     return f"1D {geometry.kind}: {reason}"
@@ -92,9 +100,18 @@ def build_oned_sliced(geometry: OneDGeometry, ksplit: int):
                            Y[rows of Xs] = Xs . W                     # beside gather s+1
     reduce_scatter: for s: Y[chunk s] = psum_scatter(X[rows of slice s] . W, a)
                                                                       # beside matmul s+1
+    all_reduce:     for s: Y[chunk s] = psum(X[rows of slice s] . W, (a,) + reduce_axes)
+                                                                      # beside matmul s+1
   (X stands for whichever operand holds the communicated dim.)
 
   Requires: ksplit * n divides the communicated extent. Bytes: those of the collective.
+
+  Example (a row-parallel layer whose result is wanted replicated over "x"):
+    >>> g = OneDGeometry(dimension_numbers=(((1,), (0,)), ((), ())), kind="reduce_scatter",
+    ...                  all_reduce=True, axis="x", axis_size=2, lhs_dim=1, rhs_dim=0,
+    ...                  out_dim=0, global_extent=16)
+    >>> body = build_oned_sliced(g, 2)   # in jax.shard_map(body, in_specs=(P(None, "x"),
+    ...                                  #   P("x", None)), out_specs=P())
   """
   reason = unsupported(geometry, ksplit)
   if reason:
@@ -102,6 +119,8 @@ def build_oned_sliced(geometry: OneDGeometry, ksplit: int):
   block = geometry.block_size(ksplit)
   if geometry.kind == "all_gather":
     return lambda lhs, rhs: _sliced_gather(geometry, ksplit, block, lhs, rhs)
+  if geometry.all_reduce:
+    return lambda lhs, rhs: _sliced_all_reduce(geometry, ksplit, block, lhs, rhs)
   return lambda lhs, rhs: _sliced_scatter(geometry, ksplit, block, lhs, rhs)
 
 
@@ -119,7 +138,7 @@ def build_oned_ring(geometry: OneDGeometry, ksplit: int = 1, bidirectional: bool
   Requires: ksplit (x2 if bidirectional) * n divides the communicated extent.
   Bytes per device: those of the collective, in n - 1 neighbour steps.
   """
-  reason = unsupported(geometry, ksplit, bidirectional)
+  reason = unsupported(geometry, ksplit, bidirectional, ring=True)
   if reason:
     raise ValueError(reason)
   if geometry.kind == "all_gather":
@@ -183,6 +202,37 @@ def _sliced_scatter(g: OneDGeometry, ksplit, block, lhs, rhs):
     pending = part
   pieces.append(scatter(pending))
   return _finish(g, assemble_slices(pieces, g.out_dim, block), lhs, rhs)
+
+
+def _sliced_all_reduce(g: OneDGeometry, ksplit, block, lhs, rhs):
+  """Cut the output's free dim out_dim into slices (through the operand that supplies it);
+  the psum of slice s runs beside the matmul of slice s+1. Every slice is summed over all
+  the axes splitting the contraction at once, so nothing is left for `_finish` to sum."""
+  which, dim = _source(g, lhs.ndim, rhs.ndim)
+  acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
+  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  source = lhs if which == "lhs" else rhs
+  axes = (g.axis,) + tuple(g.reduce_axes)
+
+  def multiply(src, s):
+    piece = take_slice(src, dim, ksplit, block, s)
+    # summed in the output dtype, as the unsliced program's all-reduce is
+    return _multiply(g, which, piece, lhs, rhs, acc_dtype).astype(out_dtype)
+
+  src, pieces, pending = source, [], None
+  for s in range(ksplit):
+    last = s + 1 == ksplit
+    if pending is not None:
+      pieces.append(lax.psum(pending, axes))    # all-reduce of slice s-1 beside matmul s
+    part = multiply(src, s)
+    if not last:
+      if pieces:
+        src, part, pieces[-1] = pipeline_barrier((src, part, pieces[-1]))
+      else:
+        src, part = pipeline_barrier((src, part))
+    pending = part
+  pieces.append(lax.psum(pending, axes))
+  return assemble_slices(pieces, g.out_dim, block)
 
 
 def _ring_gather(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
