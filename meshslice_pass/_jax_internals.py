@@ -45,6 +45,23 @@ def eval_closed(closed: ClosedJaxpr, *args):
   return _core.jaxpr_as_fun(closed)(*args)
 
 
+def inline_closed(closed: ClosedJaxpr, *args):
+  """Apply `closed` to `args` by copying its equations into the jaxpr being traced.
+
+  Unlike `eval_closed`, nested bodies are not traced again: re-binding a shard_map
+  re-traces its whole body, which made emitting many identical sites cost one body trace
+  each. The copied equations take the caller's traceback and name stack (plus their own
+  relative name stack), as if traced here. Outside a jaxpr trace (or one that lowers
+  high-level types) this is `eval_closed`.
+  """
+  trace = _core.trace_ctx.trace
+  if not isinstance(trace, _pe.DynamicJaxprTrace) or trace.requires_low:
+    return eval_closed(closed, *args)
+  src = source_info_util.current()
+  tracers = [trace.to_jaxpr_tracer(a, src) for a in args]
+  return _pe.inline_jaxpr_into_trace(trace, src, closed.jaxpr, closed.consts, *tracers)
+
+
 def hoist_consts(closed: ClosedJaxpr):
   """Turn a ClosedJaxpr's consts into leading invars: returns (open jaxpr, consts)."""
   return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)

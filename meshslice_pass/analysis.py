@@ -50,6 +50,11 @@ class JaxprAnalysis:
 @dataclasses.dataclass(frozen=True)
 class Context:
   axis_sizes: dict          # mesh axis name -> size, in mesh order
+  # Sub-jaxpr analyses by (body, analysis it continued from, boundary specs). JAX gives
+  # every call of a `jax.checkpoint`-ed function the same body object, so the identical
+  # layers of an unrolled model are analysed once; analyses are never changed after they
+  # are made (a re-analysis continues from a copy), which makes sharing them safe.
+  memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def _shape(v):
@@ -72,7 +77,10 @@ def analyze(closed: ClosedJaxpr, in_specs, out_specs, ctx: Context) -> JaxprAnal
 
 
 def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
-  state = previous or JaxprAnalysis(specs={}, children={})
+  if previous is None:
+    state = JaxprAnalysis(specs={}, children={})
+  else:     # copy: `previous` may be shared by other equations with the same body
+    state = JaxprAnalysis(specs=dict(previous.specs), children=dict(previous.children))
   specs = state.specs
 
   def get(v):
@@ -393,8 +401,15 @@ def _child(state, key, jaxpr, in_specs, out_specs, ctx):
   previous = state.children.get(key)
   if previous is not None and previous.boundary == boundary:
     return previous
-  child = _analyze(jaxpr, in_specs, out_specs, ctx, previous)
-  child.boundary = boundary
+  memo_key = (id(jaxpr), id(previous), boundary)
+  found = ctx.memo.get(memo_key)
+  if found is not None and found[0] is jaxpr and found[1] is previous:
+    child = found[2]
+  else:
+    child = _analyze(jaxpr, in_specs, out_specs, ctx, previous)
+    child.boundary = boundary
+    # keyed by ids: the value holds the objects so that their ids stay theirs
+    ctx.memo[memo_key] = (jaxpr, previous, child)
   state.children[key] = child
   return child
 

@@ -15,7 +15,7 @@ from meshslice.rewrites import build_body
 
 from . import specs as S
 from .analysis import sub_jaxprs
-from ._jax_internals import (ClosedJaxpr, Literal, eval_closed, hoist_consts, rebind_context,
+from ._jax_internals import (ClosedJaxpr, Literal, hoist_consts, inline_closed, rebind_context,
                              retrace, scan_params_with_consts, trace_once)
 
 _HANDLERS = {}
@@ -35,9 +35,15 @@ class Emitter:
   def __init__(self, sites, mesh):
     self.mesh = mesh
     self._traced = {}
+    self._bodies = {}
     self.plans = {s.path: s for s in sites if s.rewritten}
     # every path prefix that leads to a rewritten site: only those sub-jaxprs are re-traced
     self.live = {p[:k] for p in self.plans for k in range(1, len(p))}
+    # for each such prefix, what the sites below it were planned as, relative to it
+    self._below = {}
+    for path, site in self.plans.items():
+      for k in range(1, len(path)):
+        self._below.setdefault(path[:k], set()).add((path[k:], _plan_key(site)))
 
   def run(self, closed: ClosedJaxpr, *args):
     return self.eval(closed.jaxpr, closed.consts, args, ())
@@ -77,8 +83,7 @@ class Emitter:
       lhs, rhs = rhs, lhs
     # Sites with the same plan and operand types (Q/K/V projections, a checkpointed
     # block's recomputation) share one traced shard_map: tracing is the pass's main cost.
-    key = (site.algorithm, site.geometry, site.ksplit, site.specs,
-           jax.typeof(lhs), jax.typeof(rhs))
+    key = _plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs))
     traced = self._traced.get(key)
     if traced is None:
       body = build_body(site.algorithm, site.geometry, site.ksplit)
@@ -93,7 +98,7 @@ class Emitter:
         return [mapped(a, b)]
 
       traced = self._traced[key] = trace_once(call, lhs, rhs)
-    out, = eval_closed(traced, lhs, rhs)
+    out, = inline_closed(traced, lhs, rhs)
     if site.swapped:
       out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
                               + tuple(range(nb, nb + nr)))
@@ -104,13 +109,32 @@ class Emitter:
     return out
 
   def subjaxpr(self, closed_or_open, prefix_key):
-    """Re-trace a sub-jaxpr through this interpreter; returns a ClosedJaxpr."""
+    """Re-trace a sub-jaxpr through this interpreter; returns a ClosedJaxpr.
+
+    JAX traces a `jax.checkpoint`-ed function once and gives every call the same body
+    object (the 64 backward blocks of an unrolled model share one), so a body re-traced
+    with the same plans below it is re-used: same jaxpr object, same input types, same
+    plan for every site inside, hence the same rewritten body.
+    """
     if isinstance(closed_or_open, ClosedJaxpr):
       jaxpr, consts = closed_or_open.jaxpr, closed_or_open.consts
     else:
       jaxpr, consts = closed_or_open, ()
+    avals = [v.aval for v in jaxpr.invars]
+    key = (id(closed_or_open), tuple(avals), frozenset(self._below.get(prefix_key, ())))
+    cached = self._bodies.get(key)
+    if cached is not None and cached[0] is closed_or_open:
+      return cached[1]
     fun = lambda *a: self.eval(jaxpr, consts, a, prefix_key)
-    return retrace(fun, [v.aval for v in jaxpr.invars], jaxpr.debug_info)
+    new = retrace(fun, avals, jaxpr.debug_info)
+    # the original is kept in the value so that its id cannot be reused by another object
+    self._bodies[key] = (closed_or_open, new)
+    return new
+
+
+def _plan_key(site):
+  """What the emitted code of a planned site depends on besides its operand types."""
+  return (site.algorithm, site.geometry, site.ksplit, site.specs, site.swapped)
 
 
 def _reshard_explicit(value, spec):
