@@ -17,7 +17,7 @@ Example:
   >>> from meshslice.costmodel import GemmProblem, best_plan
   >>> best_plan(GemmProblem(m=65536, n=12288, k=12288, rows=8, cols=8), "tpu-v4",
   ...           dataflows=("os",)).ksplit
-  6
+  8
 """
 from . import memory
 from .autotune import (Choice, LayerChoice, LayerProblem, MeshRecommendation,

@@ -38,7 +38,7 @@ class Choice:
     >>> p = GemmProblem(m=65536, n=12288, k=12288, rows=8, cols=8)
     >>> c = best_plan(p, "tpu-v4", dataflows=("os",))
     >>> c.algorithm, c.dataflow, c.ksplit, c.options, c.speedup > 1
-    ('meshslice', 'os', 6, (), True)
+    ('meshslice', 'os', 8, (), True)
   """
 
   algorithm: str
@@ -722,7 +722,7 @@ def paper_assumptions(profile: HardwareProfile | str = "tpu-v4") -> HardwareProf
   """The original MeshSlice autotuner's assumptions on top of `profile` (its collective
   numbers are kept, on fixed profile dims 0 / 1): matmuls at 2.66e14 FLOP/s (the constant
   the original passes to its mesh) at full efficiency, no HBM roofline, no per-op
-  overhead, no memory limit, no topology. Use
+  overhead, no memory limit, no topology, gathers on the two axes side by side. Use
   with dataflow_policy="paper". Only TPU v4 was calibrated by the original authors.
 
   Example:
@@ -738,6 +738,7 @@ def paper_assumptions(profile: HardwareProfile | str = "tpu-v4") -> HardwareProf
       profile, name="tpu-v4-paper", peak_flops=2.66e14,
       gemm=dataclasses.replace(profile.gemm, max_efficiency=1.0),
       hbm_bandwidth=0.0, hbm_capacity=0.0, op_overhead=0.0, topology=None,
+      serial_collectives=False,
       description="tpu-v4 with the original MeshSlice autotuner's assumptions")
 
 

@@ -66,6 +66,8 @@ UNITS = {
                         "float32 partial sum (8: read + write, fused into the matmul)",
     "accumulate_fused": "true: that traffic overlaps the matmul (TPU output fusion); false: "
                         "it is a separate pass after it (XLA GPU)",
+    "serial_collectives": "true (default): synchronous collectives on different axes run "
+                          "one after the other; false: side by side (the original model)",
     "topology": "optional: the network (torus: link_bandwidth bytes/s one way per link, "
                 "efficiency of all_gather / reduce_scatter / permute; islands: island_size "
                 "devices per node); per-axis bandwidth derived from it, see "
@@ -175,6 +177,10 @@ class HardwareProfile:
     topology: the interconnect's geometry (`topology.Topology`), from which
       `topology.profile_for_mesh` derives per-mesh-axis bandwidths; None: the two
       profile dims are used as given.
+    serial_collectives: synchronous collectives on different mesh axes run one after
+      the other (True: the unsliced program's gathers and a pipeline's first-slice
+      gathers, as the TPU compiler schedules them); False: side by side (the original
+      MeshSlice model, `--assume paper`).
 
   Example:
     >>> p = load_profile("tpu-v4")
@@ -199,6 +205,7 @@ class HardwareProfile:
   topology: Topology | None = None
   accumulate_bytes: float = 8.0
   accumulate_fused: bool = True
+  serial_collectives: bool = True
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -218,9 +225,10 @@ class HardwareProfile:
     if isinstance(self.sources, str) or not all(isinstance(x, str) for x in self.sources):
       raise ValueError(f"field 'sources' must be a list of strings, got {self.sources!r}")
     object.__setattr__(self, "sources", tuple(self.sources))
-    if not isinstance(self.accumulate_fused, bool):
-      raise ValueError(f"field 'accumulate_fused' must be true or false, got "
-                       f"{self.accumulate_fused!r}")
+    for flag in ("accumulate_fused", "serial_collectives"):
+      if not isinstance(getattr(self, flag), bool):
+        raise ValueError(f"field {flag!r} must be true or false, got "
+                         f"{getattr(self, flag)!r}")
     if self.topology is not None and not isinstance(self.topology, Topology):
       raise ValueError("field 'topology' must be a Topology or None")
 
@@ -247,6 +255,7 @@ class HardwareProfile:
         "overlap": self.overlap,
         **{key: getattr(self, key) for key in _OPTIONAL},
         "accumulate_fused": self.accumulate_fused,
+        "serial_collectives": self.serial_collectives,
         "sources": list(self.sources),
         **({} if self.topology is None else {"topology": self.topology.to_json_dict()}),
     }
@@ -302,6 +311,9 @@ def profile_from_json_dict(data) -> HardwareProfile:
   fused = data.get("accumulate_fused", True)
   if not isinstance(fused, bool):
     raise ValueError(f"field 'accumulate_fused' must be true or false, got {fused!r}")
+  serial = data.get("serial_collectives", True)
+  if not isinstance(serial, bool):
+    raise ValueError(f"field 'serial_collectives' must be true or false, got {serial!r}")
   sources = data.get("sources", [])
   if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
     raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
@@ -313,7 +325,8 @@ def profile_from_json_dict(data) -> HardwareProfile:
       raise ValueError(f"field 'topology': {e}") from None
   return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
                          description=description, overlap=overlap, sources=tuple(sources),
-                         topology=topology, accumulate_fused=fused, **extra, **params)
+                         topology=topology, accumulate_fused=fused,
+                         serial_collectives=serial, **extra, **params)
 
 
 def _builtin_dir():

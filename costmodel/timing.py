@@ -352,8 +352,8 @@ class Schedule:
     >>> s = schedule(p, "meshslice", "os", 2, load_profile("tpu-v4"))
     >>> [(sorted({op.stream for op in st.ops}), st.repeat)
     ...  for st in s.stages]                     # doctest: +NORMALIZE_WHITESPACE
-    [(['compute'], 1), (['col', 'row'], 1), (['col', 'compute', 'row'], 1), (['compute'], 1),
-     (['compute'], 1)]
+    [(['compute'], 1), (['col'], 1), (['row'], 1), (['col', 'compute', 'row'], 1),
+     (['compute'], 1), (['compute'], 1)]
   """
 
   problem: GemmProblem
@@ -432,19 +432,22 @@ def _stages(*runs) -> list[Stage]:
           if repeat > 0 and ops]
 
 
-def _pipeline(steps, compute, ahead=(), behind=(), *, prologue=True, epilogue=True):
+def _pipeline(steps, compute, ahead=(), behind=(), *, prologue=True, epilogue=True,
+              serial_prologue=False):
   """A software pipeline of `steps` equal matmuls (`compute`: one Op, or a list of the
   compute-stream ops of one step).
 
   ahead: the ops that bring in one step's operands (those of step s+1 run beside step s;
   step 0's in a prologue). behind: the ops that ship one step's result (step s's run
-  beside step s+1; the last step's in an epilogue).
+  beside step s+1; the last step's in an epilogue). serial_prologue: the prologue's ops
+  run one after the other (synchronous collectives), not side by side.
   """
   ahead, behind = list(ahead), list(behind)
   compute = list(compute) if isinstance(compute, (list, tuple)) else [compute]
+  first = ([(prologue, [op]) for op in ahead] if serial_prologue else [(prologue, ahead)])
   if steps == 1:
-    return _stages((prologue, ahead), (1, compute), (epilogue, behind))
-  return _stages((prologue, ahead),
+    return _stages(*first, (1, compute), (epilogue, behind))
+  return _stages(*first,
                  (1, compute + ahead),
                  (steps - 2, compute + ahead + behind),
                  (1, compute + behind),
@@ -474,13 +477,14 @@ def _collective_ops(profile, mv: _Movement, parts: int, label: str) -> list[Op]:
 def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   """MeshSlice with S = ksplit block-cyclic slices, software-pipelined (as emitted):
 
-      prologue: all-gather(s=0)                           # both all-gathers for os
+      prologue: all-gather(s=0)                 # os: both, one after the other (sync)
       step s:   matmul(s) || all-gather(s+1) || reduce-scatter(s-1)
       epilogue: reduce-scatter(S-1)                       # ls / rs only
 
   Each sliced collective moves 1/S of the shard but pays the full base overhead and
   hop latencies. For os: total = prologue + (S-1) * max(comm_slice, compute_slice) +
-  compute_slice, comm_slice being the slower of the two links. For ls / rs the
+  compute_slice, comm_slice being the slower of the two links and the prologue the sum
+  of the two first-slice gathers. For ls / rs the
   all-gather (one link) and the reduce-scatter (the other link) of a step overlap.
 
   With S > 1 the compute stream also carries what the emitted body adds to the dense
@@ -503,7 +507,11 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   behind = [op for v in mv if v.kind == "reduce_scatter"
             for op in _collective_ops(profile, v, ksplit, f"reduce_scatter {v.matrix} slice")]
   compute = _matmul(p, profile, dataflow, ksplit, accumulate=dataflow == "os" and ksplit > 1)
-  stages = _pipeline(ksplit, compute, ahead, behind)
+  # The first slice's gathers are synchronous and run one after the other, also os's two
+  # on different axes (the TPU compiler's schedule: docs/costmodel.md section 3 and
+  # docs/tpu.md); with S = 1 that is the whole collective algorithm.
+  stages = _pipeline(ksplit, compute, ahead, behind,
+                     serial_prologue=profile.serial_collectives)
   if ksplit > 1:
     cut = sum(v.shard_bytes for v in mv if v.kind == "all_gather" and v.size > 1)
     y = p.batch * p.m / p.rows * p.n / p.cols
@@ -523,8 +531,10 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
 
 @_algorithm("collective")
 def _collective(p, dataflow, ksplit, profile):
-  """The GSPMD algorithm, no overlap: all-gather(s), matmul, reduce-scatter, each
-  exposed (total = comm + compute). Equal to meshslice with S = 1."""
+  """The GSPMD algorithm as XLA emits it with windowed einsum off (and as
+  `rewrites.build_body("collective")` does): synchronous all-gather(s), one after the
+  other, the matmul, then the reduce-scatter; nothing overlaps (total = the sum of all
+  collectives + compute). Equal to meshslice with S = 1."""
   stages, _ = _meshslice(p, dataflow, 1, profile)
   return stages, "no overlap"
 
