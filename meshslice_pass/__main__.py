@@ -1,4 +1,5 @@
-"""Command line: `python -m meshslice demo | autotune | calibrate` (each takes --help)."""
+"""Command line: `python -m meshslice demo | autotune | calibrate | aot` (each takes
+--help; `calibrate --aot TOPOLOGY` fits the planner's compiler terms to TPU compiles)."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
     return cli.main(["autotune"] + args)
 
   def calibrate(args):
+    if any(a == "--aot" or a.startswith("--aot=") for a in args):
+      from . import aot_sites     # fit the planner's terms to TPU compiles
+      return aot_sites.calibrate_main(args)
     from .costmodel import calibrate as calibration
     return calibration.main(args)
 

@@ -1,5 +1,7 @@
 """The bridge from a planned site to the cost model: describe it as a `GemmProblem`,
-predict candidate plans, pick the fastest deterministically.
+predict candidate plans (re-priced with the profile's TPU compiler terms when it has
+them, `meshslice.costmodel.xla_baseline`), predict XLA's own program for the site, pick
+the fastest deterministically.
 
 Only the site's shapes, dtypes and mesh sizes enter, so the choice is a pure function of
 (program, mesh shape, options, profile): no timing, no host state.
@@ -11,6 +13,7 @@ import math
 import jax.numpy as jnp
 
 from meshslice import costmodel
+from meshslice.costmodel import xla_baseline
 from meshslice.costmodel.timing import copy_time, permute_time
 
 # Candidates tried in this order; a later one must be strictly faster to win, so ties go
@@ -104,11 +107,30 @@ def reshard_seconds(shape, dtype, new_spec, axis_sizes, profile) -> float:
           + 2 * copy_time(profile, nbytes))
 
 
-def predict(problem, profile, algorithm, dataflow, ksplit) -> float:
+def predict(problem, profile, algorithm, dataflow, ksplit, terms=None) -> float:
+  """Predicted seconds of a candidate plan: the analytic model, re-priced with the
+  compiler terms when given (`xla_baseline.compiled_seconds`)."""
+  if terms is not None:
+    return float(xla_baseline.compiled_seconds(problem, algorithm, dataflow, ksplit,
+                                               profile, terms))
   return float(costmodel.predict(problem, algorithm, dataflow, ksplit, profile).total_s)
 
 
-def choose(problem, profile, dataflow, *, algorithms, ksplits):
+def xla_program(problem, profile, dataflow, baseline, terms) -> xla_baseline.XlaProgram:
+  """XLA's own program for the site under `baseline` ("windowed" or "dense")."""
+  return xla_baseline.xla_seconds(problem, dataflow, profile, terms, baseline)
+
+
+def leave_to_xla(best_seconds, best_is_collective, xla) -> bool:
+  """Whether XLA's program should run the site rather than the best rewrite: the
+  rewrite must be predicted strictly faster, except that the collective rewrite, which
+  compiles to XLA's dense program, keeps a tie with it."""
+  if best_is_collective and not xla.windowed:
+    return best_seconds > xla.seconds * (1 + 1e-9)
+  return best_seconds >= xla.seconds
+
+
+def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None):
   """(algorithm, ksplit, predicted seconds, note) of the fastest candidate; the note
   names the runner-up when it is within `NEAR_TIE` (a decision on a thin margin).
 
@@ -119,8 +141,8 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits):
     for ksplit in ((1,) if algorithm == "collective" else ksplits):
       if costmodel.why_invalid(problem, algorithm, dataflow, ksplit):
         continue
-      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit), len(ranked),
-                     algorithm, ksplit))
+      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit, terms),
+                     len(ranked), algorithm, ksplit))
   if not ranked:
     return None
   ranked.sort()   # ties keep candidate order: the simpler algorithm, the smaller ksplit

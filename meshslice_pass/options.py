@@ -44,6 +44,21 @@ class Options:
     profile: the hardware profile the cost model plans for: a shipped name
       ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"), a profile JSON path, or
       a `meshslice.costmodel.HardwareProfile`.
+    xla_baseline: the program XLA itself would run for a site, which every automatic
+      plan must beat to be emitted ("leave it to XLA" is a candidate; a site whose best
+      rewrite is not predicted faster is left alone, the reason naming both times):
+      "windowed" (libtpu's default: XLA's windowed einsum where it fires, its dense
+      program elsewhere), "dense" (windowed einsum turned off), "none" (no such
+      candidate), or "auto" (default): "windowed" for profiles with TPU compiler terms
+      (the tpu-* profiles, calibrated profile files), "none" otherwise (cpu, h100). The
+      collective rewrite compiles to XLA's dense program, so it is kept on a tie.
+      Sites with a pinned algorithm, ksplit or dataflow are not compared.
+    compiler_terms: what compiled TPU programs add to the analytic model per site
+      (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
+      overheads, which sliced collectives overlap, windowed einsum's cost). None
+      (default): the profile's, i.e. a calibrated profile file's "compiler_terms" section
+      (`python -m meshslice calibrate --aot v4:2x2x2`), else the built-in terms of a
+      tpu-* profile, else none; False: the analytic model alone.
   """
 
   algorithm: str | None = None
@@ -55,6 +70,8 @@ class Options:
   plan: object = None
   profile: object = DEFAULT_PROFILE
   relayout: bool = True
+  xla_baseline: str = "auto"
+  compiler_terms: object = None
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -77,10 +94,16 @@ class Options:
           f"profile must be a shipped hardware profile name ({', '.join(known_profiles())}), "
           "the path of a profile JSON file, or a meshslice.costmodel.HardwareProfile, got "
           f"{type(profile).__name__} {profile!r}; omit it for the default {DEFAULT_PROFILE!r}")
+    from meshslice.costmodel import xla_baseline
+    terms = kwargs.get("compiler_terms")
     try:
-      kwargs = dict(kwargs, profile=load_profile(profile))
+      if terms is None:
+        terms = xla_baseline.read_terms(profile)
+      kwargs = dict(kwargs, profile=load_profile(profile), compiler_terms=terms or None)
     except ValueError as e:
       raise ValueError(f"profile: {e}") from None
+    if kwargs.get("xla_baseline", "auto") == "auto":
+      kwargs["xla_baseline"] = "windowed" if kwargs["compiler_terms"] else "none"
     opts = cls(**kwargs)
     opts.validate()
     return opts
@@ -92,6 +115,14 @@ class Options:
     for name in ("strict", "relayout"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    if self.xla_baseline not in ("auto", "windowed", "dense", "none"):
+      raise ValueError(f"xla_baseline must be 'auto', 'windowed', 'dense' or 'none', got "
+                       f"{self.xla_baseline!r}")
+    from meshslice.costmodel.xla_baseline import CompilerTerms
+    if self.compiler_terms is not None and not isinstance(self.compiler_terms, CompilerTerms):
+      raise ValueError("compiler_terms must be None (the profile's), False (none) or a "
+                       "meshslice.costmodel.xla_baseline.CompilerTerms, got "
+                       f"{self.compiler_terms!r}")
     if self.overrides is not None:
       if not isinstance(self.overrides, dict):
         raise ValueError("overrides must be a dict {site index, 'file:line' or module "

@@ -7,7 +7,10 @@ Unless the user pins them, algorithm and ksplit come from the cost model
 (`meshslice.costmodel`, profile option): among the slice counts S for which block-cyclic
 slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_ksplit, with
 blocks of at least min_block elements, the fastest predicted plan wins; ties go to the
-collective algorithm and the smaller S.
+collective algorithm and the smaller S. On a profile with TPU compiler terms every plan
+is priced as compiled (`costmodel.xla_baseline`), and the winner must beat XLA's own
+program for the site (option xla_baseline): otherwise the site is left alone, its
+reason naming both predicted times.
 """
 from __future__ import annotations
 
@@ -252,8 +255,40 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
         f"layouts allow {', '.join(sorted({m.dataflow for m in found.matches}))}, and no reshard "
         f"of the operands gives {pinned!r} with the same output layout")
   # a relayout must win clearly: the model does not see every cost of a reshard
-  return min(options, key=lambda c: c.predicted_seconds if c is site
+  best = min(options, key=lambda c: c.predicted_seconds if c is site
              else c.predicted_seconds / RELAYOUT_MARGIN)
+  return _versus_xla(best, site, ctx, request, base)
+
+
+def _xla_baseline(options) -> str:
+  mode = getattr(options, "xla_baseline", "none")
+  if mode == "auto":     # Options built without from_kwargs
+    return "windowed" if getattr(options, "compiler_terms", None) else "none"
+  return mode
+
+
+def _versus_xla(best, site, ctx, request, base):
+  """`best`, or the site left to XLA when XLA's own program for it (in the operands'
+  own layouts) is predicted at least as fast (`costing.leave_to_xla`). Only automatic
+  plans are compared: a pinned algorithm, ksplit or dataflow is the user's call."""
+  mode = _xla_baseline(ctx.options)
+  pinned = (request.algorithm, request.ksplit, request.dataflow) != (None, None, None)
+  if mode == "none" or pinned or request.rewrite is True:
+    return best
+  profile = costing.site_profile(ctx.options.profile, site.geometry, ctx.axis_sizes)
+  xla = costing.xla_program(site.problem, profile, costing.model_dataflow(site.dataflow),
+                            mode, ctx.options.compiler_terms)
+  collective = best.algorithm == "collective" or best.ksplit == 1
+  if not costing.leave_to_xla(best.predicted_seconds, collective, xla):
+    return dataclasses.replace(best, note=_join(
+        best.note, f"XLA's own program ({xla.description}): {xla.seconds * 1e6:.1f} us"))
+  plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
+  return Site(rewritten=False, predicted_seconds=xla.seconds,
+              baseline_seconds=site.baseline_seconds,
+              reason=(f"XLA's own program is predicted at least as fast: "
+                      f"{xla.description} {xla.seconds * 1e6:.1f} us vs the best rewrite "
+                      f"({plan}) {best.predicted_seconds * 1e6:.1f} us"),
+              **base)
 
 
 def _honours(candidate, request, site) -> bool:
@@ -291,7 +326,8 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
   problem = costing.problem_for(geometry, lhs.shape, rhs.shape, lhs_spec, rhs_spec,
                                 lhs.dtype, out.dtype, ctx.axis_sizes, profile)
   flow = costing.model_dataflow(match.dataflow)
-  baseline = costing.predict(problem, profile, "collective", flow, 1)
+  terms = getattr(ctx.options, "compiler_terms", None)
+  baseline = costing.predict(problem, profile, "collective", flow, 1, terms)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
               baseline_seconds=baseline, predicted_seconds=baseline, problem=problem,
               **base, **decided)
@@ -300,14 +336,14 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
   if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):
     algorithm = algorithm or "meshslice"
     ksplit, note = _requested_ksplit(algorithm, geometry, request, site)
-    seconds = costing.predict(problem, profile, algorithm, flow, ksplit)
+    seconds = costing.predict(problem, profile, algorithm, flow, ksplit, terms)
   else:
     # the cost model picks among the slice counts this site can realise exactly
     ksplits = tuple(k for k in geometry.valid_ksplits() if k <= ctx.options.max_ksplit
                     and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
     algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
-        algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS)
+        algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms)
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              predicted_seconds=seconds, note=_join(site.note, note))

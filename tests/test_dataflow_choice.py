@@ -88,6 +88,7 @@ def test_pinned_dataflow_no_reshard_can_give_is_an_error():
 
 def test_site_costs_use_the_torus_placement_of_their_mesh_axes():
   from meshslice import costmodel
+  from meshslice.costmodel import xla_baseline
   v4 = costmodel.load_profile("tpu-v4")
   for shape in ((32, 8), (8, 32)):
     am = jax.sharding.AbstractMesh(shape, ("x", "y"),
@@ -95,19 +96,26 @@ def test_site_costs_use_the_torus_placement_of_their_mesh_axes():
     s = NamedSharding(am, P("x", "y"))
     x = jax.ShapeDtypeStruct((8192, 12288), jnp.bfloat16, sharding=s)
     w = jax.ShapeDtypeStruct((12288, 12288), jnp.bfloat16, sharding=s)
-    site, = meshslice.explain(jax.jit(lambda a, b: a @ b))(x, w).sites
+    f = jax.jit(lambda a, b: a @ b)
     derived = costmodel.profile_for_mesh(v4, shape, axes=(0, 1))
+    assert derived.all_gather.bandwidth != v4.all_gather.bandwidth
+    # the analytic model alone, and re-priced with tpu-v4's compiler terms (the default)
+    site, = meshslice.explain(f, compiler_terms=False)(x, w).sites
     expected = costmodel.predict(site.problem, site.algorithm, site.dataflow, site.ksplit,
                                  derived).total_s
     assert site.predicted_seconds == pytest.approx(expected, rel=1e-12)
-    assert derived.all_gather.bandwidth != v4.all_gather.bandwidth
+    site, = meshslice.explain(f)(x, w).sites
+    expected = xla_baseline.compiled_seconds(site.problem, site.algorithm, site.dataflow,
+                                             site.ksplit, derived,
+                                             xla_baseline.builtin_terms("tpu-v4"))
+    assert site.predicted_seconds == pytest.approx(expected, rel=1e-12)
 
 
 def test_decisions_on_thin_margins_are_marked_as_near_ties(monkeypatch):
   from meshslice import costing, costmodel
   problem = costmodel.GemmProblem(m=4096, n=4096, k=4096, rows=2, cols=4)
   times = {("collective", 1): 1.000, ("meshslice", 2): 0.990, ("meshslice", 4): 0.900}
-  monkeypatch.setattr(costing, "predict", lambda p, prof, alg, flow, k: times[(alg, k)])
+  monkeypatch.setattr(costing, "predict", lambda p, prof, alg, flow, k, terms=None: times[(alg, k)])
   pick = costing.choose(problem, None, "os", algorithms=("collective", "meshslice"),
                         ksplits=(2, 4))
   assert pick == ("meshslice", 4, 0.900, "")

@@ -1,0 +1,147 @@
+"""Fit `xla_baseline.CompilerTerms` to compiled single-GEMM programs.
+
+Input: records as `meshslice.aot_sites.compile_cases` writes them (one per compiled
+program: the case's dataflow, m, k, n, mesh; "program" = "xla" or "meshslice S=k";
+"flag_set" = "async" or "async_dense"; compute / dot cycles, each dot's (cycles, FLOPs,
+runs), collective counts sync and async, windowed-einsum loops). Pure arithmetic: no
+JAX, no compiles.
+
+  dots           cycles = fixed + flops / rate over every dot of every program (but
+                 windowed-einsum loops, priced by their own factor), least
+                 squares on relative residuals -> dot_efficiency = rate * clock / peak,
+                 dot_fixed_s = fixed / clock
+  extra_scale    per dataflow, over sliced programs: (non-dot cycles - the same case's
+                 S=1 program's) / clock against the analytic model's non-matmul compute
+                 ops, least squares through 0
+  async_fraction per dataflow and kind, over sliced programs: async collectives / the
+                 pipelined ones (all but the prologue's all-gathers, the epilogue's
+                 reduce-scatter)
+  windowed       over "xla" programs under "async": the smallest ring size and shard
+                 among those where windowed einsum fired; compute factor = median of
+                 windowed compute / the same case's dense ("async_dense") compute. If it
+                 never fired, these three come from `fallback`.
+
+Example (synthetic records: two dots of a known rate come back):
+  >>> recs = [{"dots": [[1000 + 2e9 / 2e5, 2e9, 1]]}, {"dots": [[1000 + 8e9 / 2e5, 8e9, 1]]}]
+  >>> fixed, rate = fit_dots(recs)
+  >>> round(fixed), round(rate)
+  (1000, 200000)
+"""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from .profiles import HardwareProfile
+from .timing import GemmProblem, schedule
+from .topology import profile_for_mesh
+from .xla_baseline import CompilerTerms, _movements
+
+_FLOWS = ("os", "ls", "rs")
+
+
+def problem_of(record: dict) -> GemmProblem:
+  """The GemmProblem of a record's case (mesh axis x = rows = profile dim 0)."""
+  rows, cols = record["mesh"]
+  width = 2 if record.get("dtype", "bfloat16") in ("bfloat16", "float16") else 4
+  return GemmProblem(m=record["m"], n=record["n"], k=record["k"], rows=rows, cols=cols,
+                     in_bytes=width, out_bytes=width)
+
+
+def ksplit_of(record: dict) -> int:
+  """S of a "meshslice S=k" record, 0 for "xla"."""
+  program = record["program"]
+  return int(program.split("=")[1]) if program.startswith("meshslice") else 0
+
+
+def fit_dots(records) -> tuple[float, float]:
+  """(fixed cycles per dot, FLOPs per cycle) over every dot of `records`."""
+  rows = [(c, f) for r in records for c, f, _ in r["dots"] if c > 0 and f > 0]
+  if len(rows) < 2:
+    raise ValueError("need >= 2 dots with compiler estimates to fit the dot terms")
+  cycles, flops = np.array(rows, float).T
+  w = 1.0 / cycles                               # relative residuals
+  a = np.stack([np.ones_like(flops), flops], axis=1) * w[:, None]
+  (fixed, per_flop), *_ = np.linalg.lstsq(a, cycles * w, rcond=None)
+  if fixed < 0:                                  # no fixed cost visible: rate alone
+    fixed, per_flop = 0.0, float(np.sum(flops * cycles * w * w) / np.sum((flops * w) ** 2))
+  return float(fixed), float(1.0 / per_flop)
+
+
+def _analytic_extra(record, profile) -> float:
+  p = problem_of(record)
+  sched = schedule(p, "meshslice", record["dataflow"], ksplit_of(record), profile)
+  return sum(st.repeat * op.seconds for st in sched.stages for op in st.ops
+             if op.stream == "compute" and op.name != "matmul")
+
+
+def _key(r):
+  return (r["dataflow"], r["m"], r["k"], r["n"], tuple(r["mesh"]))
+
+
+def fit_terms(records, profile: HardwareProfile, clock_hz: float, *,
+              fallback: CompilerTerms, source: str = "") -> tuple[CompilerTerms, list]:
+  """(terms, notes) fitted to `records` (module docstring); `profile` is the base
+  profile (its links are derived per record's mesh), `clock_hz` the chip's clock."""
+  notes = []
+  # the chunk dots of a windowed-einsum loop are priced by its own factor
+  fixed, rate = fit_dots([r for r in records if not r["windowed_einsum_loops"]])
+  efficiency = min(1.0, rate * clock_hz / profile.peak_flops)
+  sliced = [r for r in records if ksplit_of(r) > 1]
+  single = {_key(r): r for r in records if ksplit_of(r) == 1}
+  extra, fractions = {}, {}
+  for flow in _FLOWS:
+    mine = [r for r in sliced if r["dataflow"] == flow and _key(r) in single]
+    measured, predicted = [], []
+    async_n = {"all_gather": 0, "reduce_scatter": 0}
+    piped_n = {"all_gather": 0, "reduce_scatter": 0}
+    for r in mine:
+      base = single[_key(r)]
+      nondot = (r["compute_cycles"] - r["dot_cycles"]) - (base["compute_cycles"]
+                                                          - base["dot_cycles"])
+      measured.append(nondot / clock_hz)
+      predicted.append(_analytic_extra(r, profile_for_mesh(profile, tuple(r["mesh"]))))
+      s = ksplit_of(r)
+      movements = _movements(problem_of(r), flow)
+      for kind in async_n:
+        moved = sum(1 for v in movements if v[0] == kind and v[1] > 1)
+        if not moved:
+          continue
+        name = kind.replace("_", "-")
+        async_n[kind] += min(r["async"].get(name, 0), moved * (s - 1))
+        piped_n[kind] += moved * (s - 1)
+    if mine and sum(x * x for x in predicted) > 0:
+      extra[flow] = max(0.0, float(np.dot(measured, predicted) / np.dot(predicted, predicted)))
+    else:
+      extra[flow] = fallback.extra_scale[flow]
+      notes.append(f"{flow}: no sliced programs; extra_scale from the fallback")
+    fractions[flow] = {k: (async_n[k] / piped_n[k] if piped_n[k] else
+                           fallback.async_fraction[flow][k]) for k in async_n}
+  xla = [r for r in records if r["program"] == "xla" and r["flag_set"] == "async"]
+  dense = {_key(r): r for r in records if r["program"] == "xla"
+           and r["flag_set"] == "async_dense"}
+  fired = [r for r in xla if r["windowed_einsum_loops"] > 0]
+  if fired:
+    biggest = [max(_movements(problem_of(r), r["dataflow"]), key=lambda v: (v[1] - 1) * v[3])
+               for r in fired]
+    min_ring = min(v[1] for v in biggest)
+    min_bytes = min(v[3] for v in biggest)
+    factors = [r["compute_cycles"] / dense[_key(r)]["compute_cycles"] for r in fired
+               if _key(r) in dense]
+    factor = statistics.median(factors) if factors else fallback.windowed_compute_factor
+    notes.append(f"windowed einsum fired in {len(fired)} of {len(xla)} xla programs")
+  else:
+    min_ring, min_bytes = fallback.windowed_min_ring, fallback.windowed_min_bytes
+    factor = fallback.windowed_compute_factor
+    notes.append(f"windowed einsum fired in none of {len(xla)} xla programs: its terms "
+                 "come from the fallback (compile a topology with a longer ring)")
+  terms = CompilerTerms(dot_efficiency=round(efficiency, 4),
+                        dot_fixed_s=round(fixed / clock_hz, 9),
+                        extra_scale={k: round(v, 3) for k, v in extra.items()},
+                        async_fraction={f: {k: round(v, 3) for k, v in d.items()}
+                                        for f, d in fractions.items()},
+                        windowed_min_ring=int(min_ring), windowed_min_bytes=float(min_bytes),
+                        windowed_compute_factor=round(float(factor), 3), source=source)
+  return terms, notes
+

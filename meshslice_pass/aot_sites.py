@@ -1,0 +1,277 @@
+"""Single-GEMM programs compiled for a TPU topology: what the planner is fitted to
+(`python -m meshslice calibrate --aot`) and ranked against (bench/tpu_rank.py).
+
+One *case* is one 2D-sharded GEMM `Y[M,N] = X[M,K] . W[K,N]` on an R x C mesh (axes
+"x", "y"), its operands laid out for one dataflow (docs/design.md):
+
+    os  X (M:x, K:y), W (K:x, N:y)     ls  X (M:x, K:y), W (K:y, N:x)
+    rs  X (M:y, K:x), W (K:x, N:y)     output Y (M:x, N:y) in all three
+
+Programs compiled per case, each read with `meshslice.costmodel.tpu_schedule`:
+
+    "xla"             plain `jax.jit(a @ b)`: XLA's own program (windowed einsum where it
+                      fires) under the flag set of the process
+    "meshslice S=k"   the MeshSlice shard_map body with k slices (S=1: the collective
+                      algorithm)
+
+Flag sets (libtpu reads its flags once per process, so each runs in its own subprocess):
+"async" = `aot.ASYNC_FLAGS` (the flags the rewrite is planned for; windowed einsum on, as
+by default), "async_dense" = those plus `aot.DENSE_FLAGS` (windowed einsum off).
+
+Example:
+  >>> cases = [Case(dataflow="os", m=8192, k=8192, n=8192)]
+  >>> records = compile_cases("v4:2x2x2", (2, 4), cases, "async_dense",
+  ...                         ksplits=())                             # doctest: +SKIP
+  >>> records[0]["program"], records[0]["windowed_einsum_loops"]      # doctest: +SKIP
+  ('xla', 0)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+FLAG_SETS = ("async", "async_dense")
+
+_SPECS = {"os": (("x", "y"), ("x", "y")), "ls": (("x", "y"), ("y", "x")),
+          "rs": (("y", "x"), ("x", "y"))}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+  """One GEMM site: dataflow, global sizes, element type, and a label for reports."""
+
+  dataflow: str
+  m: int
+  k: int
+  n: int
+  dtype: str = "bfloat16"
+  label: str = ""
+
+
+def _flags(flag_set: str):
+  from . import aot
+  if flag_set == "async":
+    return aot.ASYNC_FLAGS
+  if flag_set == "async_dense":
+    return aot.ASYNC_FLAGS + aot.DENSE_FLAGS
+  raise ValueError(f"flag set must be one of {FLAG_SETS}, got {flag_set!r}")
+
+
+def _geometry(case: Case, rows: int, cols: int, dtype):
+  from meshslice.rewrites import GemmGeometry
+  dims = {"os": dict(lhs_dim=1, rhs_dim=0, out_dim=None, global_extent=case.k),
+          "ls": dict(lhs_dim=None, rhs_dim=1, out_dim=1, global_extent=case.n),
+          "rs": dict(lhs_dim=0, rhs_dim=None, out_dim=0, global_extent=case.m)}[case.dataflow]
+  return GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow=case.dataflow,
+                      row_axis="x", col_axis="y", row_size=rows, col_size=cols,
+                      out_dtype=dtype, **dims)
+
+
+def simulation_profile(profile: str, mesh_shape):
+  """The profile the simulator times collectives with: `profile`'s links derived for this
+  mesh from its topology (`profile_for_mesh`), as the planner prices a site, so that the
+  simulator and the planner share one ICI model (dim 0 = mesh axis "x", dim 1 = "y";
+  the simulator puts groups of consecutive partitions, the minor axis "y", on dim 1)."""
+  from .costmodel import load_profile, profile_for_mesh
+  return profile_for_mesh(load_profile(profile), tuple(mesh_shape))
+
+
+def _record(compiled, profile: str, mesh_shape) -> dict:
+  """The figures of one compiled program that the fits and the ranking use."""
+  from .costmodel import tpu_schedule as ts
+  schedule = ts.read_schedule(compiled.as_text(), chip=profile)
+  summary = ts.summarize(schedule)
+  sim = ts.simulate(schedule, simulation_profile(profile, mesh_shape),
+                    clock_hz=ts.CLOCK_HZ[profile])
+  sync, asyn = {}, {}
+  dots = []
+  for op, times in ts._weighted(schedule.entries):
+    if op.kind == "collective":
+      sync[op.collective] = sync.get(op.collective, 0) + times
+    elif op.kind == "start":
+      asyn[op.collective] = asyn.get(op.collective, 0) + times
+    if op.kind == "dot":
+      dots.append((op.cycles, op.flops, times))
+  return {"compute_cycles": summary.compute_cycles, "dot_cycles": summary.dot_cycles,
+          "copy_cycles": summary.copy_cycles, "other_cycles": summary.other_cycles,
+          "relayout_copies": summary.relayout_copies, "dots": dots,
+          "sync": sync, "async": asyn, "collective_bytes": summary.total_collective_bytes,
+          "windowed_einsum_loops": summary.windowed_einsum_loops,
+          "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
+          "sync_collective_s": sim.sync_collective_s}
+
+
+def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1, 2, 4),
+                  echo=None) -> list[dict]:
+  """Compile every program of every case under `flag_set`, in this process (which must
+  not have loaded libtpu with other flags). One record per program: the case's fields,
+  "program", "flag_set" and the figures of `_record`. A ksplit the case cannot slice
+  exactly is skipped."""
+  from . import aot
+  aot.set_flags(*_flags(flag_set))
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  jax.config.update("jax_platforms", "cpu")
+  gen, _ = aot.parse_topology(topology)
+  rows, cols = (int(v) for v in mesh_shape)
+  mesh = aot.make_mesh(topology, (rows, cols))
+  out_sharding = NamedSharding(mesh, P("x", "y"))
+  records = []
+  for case in cases:
+    dtype = jnp.dtype(case.dtype)
+    specs = tuple(P(*s) for s in _SPECS[case.dataflow])
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
+            for shape, s in zip(((case.m, case.k), (case.k, case.n)), specs)]
+    programs = {"xla": jax.jit(lambda a, b: a @ b, out_shardings=out_sharding)}
+    if flag_set == "async":
+      from meshslice.rewrites import build_body
+      geometry = _geometry(case, rows, cols, dtype)
+      for ksplit in ksplits:
+        if ksplit not in geometry.valid_ksplits():
+          continue
+        body = build_body("meshslice", geometry, ksplit)
+        programs[f"meshslice S={ksplit}"] = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x", "y")),
+            out_shardings=out_sharding)
+    for name, fn in programs.items():
+      compiled, seconds = aot.compile(fn, *args, mesh=mesh)
+      record = dict(dataclasses.asdict(case), program=name, flag_set=flag_set,
+                    topology=topology, mesh=[rows, cols], compile_s=seconds,
+                    **_record(compiled, gen.profile, (rows, cols)))
+      del compiled
+      records.append(record)
+      if echo:
+        echo(f"  {case.label or case.dataflow:<22} {name:<14} {flag_set:<11} "
+             f"{record['compute_cycles'] / 1e6:8.3f} Mcycles  step "
+             f"{record['step_s'] * 1e6:9.1f} us  ({seconds:.0f} s compile)")
+  return records
+
+
+def compile_in_subprocess(topology: str, mesh_shape, cases, flag_set: str, *,
+                          ksplits=(1, 2, 4), timeout: float = 3600, echo=None) -> list[dict]:
+  """`compile_cases` in a fresh Python process (libtpu flags are per process); progress
+  lines are passed to `echo` as they come."""
+  spec = {"topology": topology, "mesh": list(mesh_shape), "flag_set": flag_set,
+          "ksplits": list(ksplits), "cases": [dataclasses.asdict(c) for c in cases]}
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)       # the caller's emulated CPU devices are not wanted here
+  proc = subprocess.Popen([sys.executable, "-m", "meshslice.aot_sites", json.dumps(spec)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  records = []
+  try:
+    for line in proc.stdout:
+      if line.startswith("RECORD "):
+        records.append(json.loads(line[len("RECORD "):]))
+      elif echo and line.strip():
+        echo(line.rstrip())
+    _, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise RuntimeError(f"{flag_set} compiles timed out after {timeout} s") from None
+  if proc.returncode:
+    raise RuntimeError(f"{flag_set} compiles failed (exit {proc.returncode}):\n{err[-3000:]}")
+  return records
+
+
+def _worker(spec_json: str) -> int:
+  spec = json.loads(spec_json)
+  cases = [Case(**c) for c in spec["cases"]]
+  for record in compile_cases(spec["topology"], spec["mesh"], cases, spec["flag_set"],
+                              ksplits=tuple(spec["ksplits"]),
+                              echo=lambda s: print(s, flush=True)):
+    print("RECORD " + json.dumps(record), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_worker(sys.argv[1]))
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+DEFAULT_SHAPES = ("4096x4096x4096", "8192x8192x8192", "16384x4096x8192")
+
+
+def calibrate_main(argv) -> int:
+  """`python -m meshslice calibrate --aot TOPOLOGY`: compile single-GEMM programs for
+  the topology (os / ls / rs, each shape, meshslice S in --ksplits, XLA's program with
+  windowed einsum on and off), fit the compiler terms (costmodel.compiler_fit) and write
+  a profile JSON with them as its "compiler_terms" section.
+
+  Example:
+    python -m meshslice calibrate --aot v4:2x2x2 --out v4-compiled.json
+    python -c "import meshslice; meshslice.transform(step, profile='v4-compiled.json')"
+  """
+  import argparse
+  from . import aot
+  parser = argparse.ArgumentParser(
+      prog="python -m meshslice calibrate --aot",
+      description="Fit the planner's per-site compiler terms to ahead-of-time TPU compiles "
+                  "and write them into a profile JSON (section 'compiler_terms').")
+  parser.add_argument("--aot", required=True, metavar="TOPOLOGY", help="e.g. v4:2x2x2")
+  parser.add_argument("--mesh", default=None, help="mesh RxC (default: 2 x chips/2)")
+  parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                      help="GEMM sizes MxKxN, comma-separated")
+  parser.add_argument("--ksplits", default="1,2,4", help="meshslice slice counts")
+  parser.add_argument("--dataflows", default="os,ls,rs", help="dataflows to compile")
+  parser.add_argument("--profile", default=None,
+                      help="base profile (default: the topology's generation's)")
+  parser.add_argument("--out", required=True, help="profile JSON to write")
+  parser.add_argument("--records", default=None,
+                      help="also write the compiled programs' figures here (JSON lines)")
+  args = parser.parse_args(argv)
+  try:
+    gen, dims = aot.parse_topology(args.aot)
+    chips = 1
+    for d in dims:
+      chips *= d
+    mesh = (tuple(int(v) for v in args.mesh.lower().split("x")) if args.mesh
+            else (2, chips // 2))
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    ksplits = tuple(int(v) for v in args.ksplits.split(","))
+    flows = tuple(args.dataflows.split(","))
+    assert set(flows) <= {"os", "ls", "rs"}
+    assert len(mesh) == 2 and mesh[0] * mesh[1] == chips and all(len(s) == 3 for s in shapes)
+  except (ValueError, AssertionError) as e:
+    parser.error(f"--aot / --mesh / --shapes / --ksplits: {e or 'malformed'}")
+  if not aot.have_libtpu():
+    parser.error("needs libtpu: pip install -e '.[tpu]'")
+  import jax
+  from .costmodel import compiler_fit, load_profile, xla_baseline
+  from .costmodel.tpu_schedule import CLOCK_HZ
+  base = load_profile(args.profile or gen.profile)
+  cases = [Case(dataflow=flow, m=m, k=k, n=n, label=f"{flow} {m}x{k}x{n}")
+           for m, k, n in shapes for flow in flows]
+  print(f"compiling {len(cases)} GEMM sites for {args.aot} as {mesh[0]}x{mesh[1]} "
+        f"(S = {args.ksplits}; XLA with windowed einsum on and off), one at a time")
+  records = []
+  for flag_set, ks in (("async_dense", ()), ("async", ksplits)):
+    records += compile_in_subprocess(args.aot, mesh, cases, flag_set, ksplits=ks,
+                                     echo=lambda s: print(s, flush=True)
+                                     if "Mcycles" in s else None)
+  import libtpu   # noqa: F401  (version for the record)
+  from importlib.metadata import version
+  source = (f"python -m meshslice calibrate --aot {args.aot} --mesh {mesh[0]}x{mesh[1]} "
+            f"--shapes {args.shapes} --ksplits {args.ksplits}; jax {jax.__version__}, "
+            f"libtpu {version('libtpu')}, flags: aot.ASYNC_FLAGS (+ DENSE_FLAGS for the "
+            "dense program)")
+  fallback = xla_baseline.builtin_terms(base.name) or xla_baseline.builtin_terms("tpu-v4")
+  terms, notes = compiler_fit.fit_terms(records, base, CLOCK_HZ.get(base.name, 1.05e9),
+                                        fallback=fallback, source=source)
+  xla_baseline.write_terms(args.out, base, terms)
+  for key, value in terms.to_json_dict().items():
+    if key != "source":
+      print(f"  {key:<24} {value}")
+  for note in notes:
+    print(f"  note: {note}")
+  print(f"profile {base.name!r} with compiler terms written to {args.out}")
+  if args.records:
+    with open(args.records, "w", encoding="utf-8") as f:
+      for r in records:
+        f.write(json.dumps(r) + "\n")
+  return 0

@@ -1,0 +1,189 @@
+"""The planner against XLA's own program ("leave it to XLA"), and the per-site compiler
+terms (costmodel.xla_baseline, costmodel.compiler_fit, `calibrate --aot`)."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+from meshslice import aot
+from meshslice.costmodel import (GemmProblem, compiler_fit, load_profile, predict,
+                                 profile_for_mesh, xla_baseline)
+
+V4 = load_profile("tpu-v4")
+TERMS = xla_baseline.builtin_terms("tpu-v4")
+
+
+def _site(shape=(8192, 12288), weight=(12288, 12288), mesh=(32, 8)):
+  am = jax.sharding.AbstractMesh(mesh, ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  s = NamedSharding(am, P("x", "y"))
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct(weight, jnp.bfloat16, sharding=s)
+  return jax.jit(lambda a, b: a @ b), x, w
+
+
+def test_terms_round_trip_through_a_profile_file_and_reach_the_planner(tmp_path):
+  path = tmp_path / "v4-compiled.json"
+  mine = dataclasses.replace(TERMS, dot_efficiency=0.5, source="test")
+  xla_baseline.write_terms(path, V4, mine)
+  assert load_profile(str(path)) == V4
+  assert xla_baseline.read_terms(str(path)) == mine
+  f, x, w = _site()
+  with_file, = meshslice.explain(f, profile=str(path))(x, w).sites
+  builtin, = meshslice.explain(f)(x, w).sites
+  # half the dot efficiency: the same plan is predicted slower
+  assert with_file.predicted_seconds > builtin.predicted_seconds
+  data = json.loads(path.read_text())
+  data[xla_baseline.SECTION]["version"] = 99
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="version 99 is not 1; re-run python -m meshslice "
+                                       "calibrate --aot"):
+    meshslice.explain(f, profile=str(path))(x, w)
+
+
+def test_cpu_profile_has_no_compiler_terms_and_no_xla_candidate():
+  assert xla_baseline.builtin_terms("cpu") is None
+  f, x, w = _site()
+  site, = meshslice.explain(f, profile="cpu")(x, w).sites
+  analytic = predict(site.problem, site.algorithm, site.dataflow, site.ksplit,
+                     profile_for_mesh(load_profile("cpu"), (32, 8))).total_s
+  assert site.rewritten and site.predicted_seconds == pytest.approx(analytic, rel=1e-12)
+  assert "XLA's own program" not in site.note
+
+
+def test_windowed_einsum_fires_on_the_long_ring_and_costs_its_factor():
+  p = GemmProblem(m=524288, n=36864, k=12288, rows=32, cols=8)
+  prof = profile_for_mesh(V4, (32, 8))
+  terms = dataclasses.replace(TERMS, windowed_min_ring=8, windowed_min_bytes=1e6)
+  xla = xla_baseline.xla_seconds(p, "os", prof, terms, "windowed")
+  dense = xla_baseline.xla_seconds(p, "os", prof, terms, "dense")
+  assert xla.windowed and not dense.windowed
+  # os moves X (m/R x k/C, over the column axis of 8) and W (k/R x n/C, over 32): X wins
+  assert "ring over 8 devices" in xla.description
+  doubled = xla_baseline.xla_seconds(
+      p, "os", prof, dataclasses.replace(terms, windowed_compute_factor=
+                                         2 * terms.windowed_compute_factor), "windowed")
+  assert doubled.seconds > xla.seconds
+  # a ring shorter than the minimum, or a shard below the threshold: dense
+  assert not xla_baseline.windowed_fires(p, "os", dataclasses.replace(terms, windowed_min_ring=16))
+  assert not xla_baseline.windowed_fires(p, "os", dataclasses.replace(terms, windowed_min_bytes=1e12))
+
+
+def test_dense_xla_is_the_collective_rewrite_and_exposed_collectives_add():
+  p = GemmProblem(m=65536, n=12288, k=12288, rows=8, cols=8)
+  prof = profile_for_mesh(V4, (8, 8))
+  for flow in ("os", "ls", "rs"):
+    dense = xla_baseline.xla_seconds(p, flow, prof, TERMS, "dense").seconds
+    assert dense == xla_baseline.compiled_seconds(p, "collective", flow, 1, prof, TERMS)
+  hidden = {f: {"all_gather": 1.0, "reduce_scatter": 1.0} for f in ("os", "ls", "rs")}
+  exposed = {f: {"all_gather": 1.0, "reduce_scatter": 0.0} for f in ("os", "ls", "rs")}
+  t = lambda fractions: xla_baseline.compiled_seconds(
+      p, "meshslice", "ls", 4, prof, dataclasses.replace(TERMS, async_fraction=fractions))
+  assert t(exposed) > t(hidden)
+
+
+def _planned(**options):
+  f, x, w = _site()
+  site, = meshslice.explain(f, **options)(x, w).sites
+  return site
+
+
+def test_planner_leaves_a_site_to_xla_when_its_program_is_predicted_faster(monkeypatch):
+  from meshslice import costing
+  rewrite = _planned()
+  fast = xla_baseline.XlaProgram(seconds=0.5 * rewrite.predicted_seconds, windowed=True,
+                                 description="windowed einsum (a ring over 8 devices)")
+  asked = []
+  def xla_program(problem, profile, dataflow, baseline, terms):
+    asked.append(baseline)
+    return fast if baseline == "windowed" else dataclasses.replace(
+        fast, windowed=False, description="dense program")
+  monkeypatch.setattr(costing, "xla_program", xla_program)
+  left = _planned()
+  assert not left.rewritten and asked == ["windowed"]
+  assert left.reason == (
+      f"XLA's own program is predicted at least as fast: windowed einsum (a ring over 8 "
+      f"devices) {fast.seconds * 1e6:.1f} us vs the best rewrite ({rewrite.algorithm} os "
+      f"S={rewrite.ksplit}) {rewrite.predicted_seconds * 1e6:.1f} us")
+  assert left.predicted_seconds == fast.seconds
+  # a dense XLA program predicted faster than the best rewrite wins too
+  assert not _planned(xla_baseline="dense").rewritten and asked[-1] == "dense"
+  # turned off, or a pinned plan: rewritten, XLA not asked
+  count = len(asked)
+  assert _planned(xla_baseline="none").rewritten
+  assert _planned(overrides={0: {"ksplit": 2}}).rewritten
+  assert _planned(ksplit=4, algorithm="meshslice").rewritten
+  assert len(asked) == count
+  # deterministic: the same decision twice
+  assert _planned() == left
+
+
+def test_the_collective_rewrite_keeps_a_tie_with_the_dense_program():
+  from meshslice import costing
+  dense = xla_baseline.XlaProgram(seconds=1.0, windowed=False, description="dense program")
+  windowed = dataclasses.replace(dense, windowed=True)
+  assert not costing.leave_to_xla(1.0, True, dense)       # same program: keep the rewrite
+  assert costing.leave_to_xla(1.0 + 1e-6, True, dense)
+  assert costing.leave_to_xla(1.0, False, dense)          # a sliced rewrite must be faster
+  assert costing.leave_to_xla(1.0, True, windowed)
+  assert not costing.leave_to_xla(0.99, False, windowed)
+
+
+def test_a_rewrite_faster_than_xla_names_xla_in_its_note():
+  site = _planned()
+  assert site.rewritten
+  xla_us = float(site.note.split("XLA's own program (")[1].split("): ")[1].split(" us")[0])
+  assert site.predicted_seconds * 1e6 < xla_us
+
+
+def test_fit_recovers_the_terms_that_made_synthetic_records():
+  """Records built from known terms (dots, extra non-dot work, async counts) fit back."""
+  clock = 1.05e9
+  records = []
+  for m, k, n in ((8192, 8192, 8192), (4096, 8192, 16384)):
+    for flow in ("os", "ls"):
+      base = {"dataflow": flow, "m": m, "k": k, "n": n, "mesh": [2, 4], "flag_set": "async",
+              "windowed_einsum_loops": 0}
+      p = compiler_fit.problem_of(base)
+      prof = profile_for_mesh(V4, (2, 4))
+      flops = p.flops / 8
+      for s in (1, 2, 4):
+        dot = 3000 + flops / s / 200000
+        extra = 0 if s == 1 else 2.5 * compiler_fit._analytic_extra(
+            dict(base, program=f"meshslice S={s}"), prof) * clock
+        ags = (2 if flow == "os" else 1) * s
+        records.append(dict(base, program=f"meshslice S={s}", dots=[[dot, flops / s, s]],
+                            dot_cycles=dot * s, compute_cycles=dot * s + extra + 500,
+                            sync={}, **{"async": {"all-gather": (ags - ags // s) // 2
+                                                  if flow == "os" else ags - ags // s}}))
+  terms, notes = compiler_fit.fit_terms(records, V4, clock, fallback=TERMS)
+  assert terms.dot_fixed_s == pytest.approx(3000 / clock, rel=1e-3)
+  assert terms.dot_efficiency == pytest.approx(200000 * clock / V4.peak_flops, rel=1e-3)
+  assert terms.extra_scale["os"] == pytest.approx(2.5, rel=1e-3)
+  assert terms.extra_scale["ls"] == pytest.approx(2.5, rel=1e-3)
+  assert terms.extra_scale["rs"] == TERMS.extra_scale["rs"]      # none measured
+  assert terms.async_fraction["os"]["all_gather"] == 0.5
+  assert terms.async_fraction["ls"]["all_gather"] == 1.0
+  assert any("fired in none" in n for n in notes)
+
+
+@pytest.mark.skipif(not aot.have_libtpu(), reason="needs libtpu (pip install -e '.[tpu]')")
+def test_calibrate_aot_writes_a_profile_the_planner_reads(tmp_path):
+  out = tmp_path / "v4.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "meshslice", "calibrate", "--aot", "v4:2x2x1", "--mesh", "2x2",
+       "--shapes", "2048x2048x2048", "--dataflows", "os", "--ksplits", "1,2",
+       "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  terms = xla_baseline.read_terms(str(out))
+  assert "calibrate --aot v4:2x2x1" in terms.source
+  assert 0.3 < terms.dot_efficiency <= 1.0
+  assert load_profile(str(out)).name == "tpu-v4"
