@@ -15,7 +15,8 @@ docs/design.md, one small step each:
   candidates  OS needs one r and one c on the same contracting pair; LS and RS need one
               cross axis a and a contracting axis b (LS outputs (M:a, N:b), RS outputs
               (M:b, N:a), so the output layout the program wants decides); 1D sites
-              have one axis only
+              have one axis only; a contraction split with no cross axis is an
+              all-reduce (the result kept whole) or a reduce-scatter onto a free dim
   validate    `validation.site_reason` proves each candidate's shard_map computes the
               dot_general (axis tuples equal *in order* on every contracting and batch
               pair, divisibility, the output layout); candidates it cannot prove are
