@@ -171,7 +171,8 @@ class Plan:
                          "meshslice.explain(...).plan")
 
 
-_DATAFLOWS = ("os", "ls", "rs", "1d-gather", "1d-scatter")
+# every dataflow a report can name (matching.py): the 2D ones and the 1D site kinds
+_DATAFLOWS = ("os", "ls", "rs", "1d-gather", "1d-scatter", "1d-allreduce")
 
 
 def _where(source: str, module: str = "") -> str:

@@ -170,3 +170,13 @@ def test_ring_algorithm_refuses_all_reduce_sites():
     OneDGeometry(dimension_numbers=DN, kind="all_gather", all_reduce=True, axis="y",
                  axis_size=4, lhs_dim=0, rhs_dim=None, out_dim=0, global_extent=32)
   assert callable(build_body("meshslice", g, 4))
+
+
+def test_a_saved_all_reduce_plan_loads_and_applies(tmp_path):
+  m = mesh((2, 4))
+  f, args = _row_parallel(m)
+  path = tmp_path / "plan.json"
+  meshslice.explain(f, ksplit=2)(*args).plan.save(str(path))
+  (site,) = meshslice.explain(f, plan=str(path))(*args).sites
+  assert (site.dataflow, site.ksplit) == ("1d-allreduce", 2)
+  assert_trees_close(meshslice.transform(f, plan=str(path))(*args), f(*args))
