@@ -16,10 +16,15 @@ JAX, no compiles.
   async_fraction per dataflow and kind, over sliced programs: async collectives / the
                  pipelined ones (all but the prologue's all-gathers, the epilogue's
                  reduce-scatter)
-  windowed       over "xla" programs under "async": the smallest ring size and shard
-                 among those where windowed einsum fired; compute factor = median of
-                 windowed compute / the same case's dense ("async_dense") compute. If it
-                 never fired, these three come from `fallback`.
+  allreduce_max_block  per dataflow, over sliced programs by block size: the largest
+                 block up to which every program had an all-reduce in place of its
+                 sliced reduce-scatters
+  windowed       over "xla" programs under "async" where windowed einsum fired, next to
+                 the same case's dense ("async_dense") program: the smallest ring size,
+                 per dataflow the smallest windowed shard, the median dot-cycle ratio and
+                 the median non-dot seconds per output element; then the ring's hidden
+                 share, by grid search (0, 0.05, .., 1) on the simulated steps. Dataflows
+                 where it never fired keep `fallback`'s terms.
 
 Example (synthetic records: two dots of a known rate come back):
   >>> recs = [{"dots": [[1000 + 2e9 / 2e5, 2e9, 1]]}, {"dots": [[1000 + 8e9 / 2e5, 8e9, 1]]}]
@@ -118,30 +123,80 @@ def fit_terms(records, profile: HardwareProfile, clock_hz: float, *,
       notes.append(f"{flow}: no sliced programs; extra_scale from the fallback")
     fractions[flow] = {k: (async_n[k] / piped_n[k] if piped_n[k] else
                            fallback.async_fraction[flow][k]) for k in async_n}
-  xla = [r for r in records if r["program"] == "xla" and r["flag_set"] == "async"]
-  dense = {_key(r): r for r in records if r["program"] == "xla"
-           and r["flag_set"] == "async_dense"}
-  fired = [r for r in xla if r["windowed_einsum_loops"] > 0]
-  if fired:
-    biggest = [max(_movements(problem_of(r), r["dataflow"]), key=lambda v: (v[1] - 1) * v[3])
-               for r in fired]
-    min_ring = min(v[1] for v in biggest)
-    min_bytes = min(v[3] for v in biggest)
-    factors = [r["compute_cycles"] / dense[_key(r)]["compute_cycles"] for r in fired
-               if _key(r) in dense]
-    factor = statistics.median(factors) if factors else fallback.windowed_compute_factor
-    notes.append(f"windowed einsum fired in {len(fired)} of {len(xla)} xla programs")
-  else:
-    min_ring, min_bytes = fallback.windowed_min_ring, fallback.windowed_min_bytes
-    factor = fallback.windowed_compute_factor
-    notes.append(f"windowed einsum fired in none of {len(xla)} xla programs: its terms "
-                 "come from the fallback (compile a topology with a longer ring)")
+  max_block = {flow: _allreduce_max_block([r for r in sliced if r["dataflow"] == flow])
+               for flow in _FLOWS}
+  windowed = _fit_windowed(records, profile, clock_hz, fallback, notes)
   terms = CompilerTerms(dot_efficiency=round(efficiency, 4),
                         dot_fixed_s=round(fixed / clock_hz, 9),
                         extra_scale={k: round(v, 3) for k, v in extra.items()},
                         async_fraction={f: {k: round(v, 3) for k, v in d.items()}
                                         for f, d in fractions.items()},
-                        windowed_min_ring=int(min_ring), windowed_min_bytes=float(min_bytes),
-                        windowed_compute_factor=round(float(factor), 3), source=source)
+                        allreduce_max_block=max_block, source=source, **windowed)
   return terms, notes
+
+
+def _block(record) -> float:
+  p = problem_of(record)
+  return p.extent(record["dataflow"]) / (ksplit_of(record) * p.lcm)
+
+
+def _allreduce_max_block(sliced) -> float:
+  """The largest block up to which every sliced program had its reduce-scatters
+  compiled as all-reduces (0: none was)."""
+  limit = 0.0
+  for r in sorted(sliced, key=_block):
+    if not any("all-reduce" in r[side] for side in ("sync", "async")):
+      break
+    limit = _block(r)
+  return limit
+
+
+def _fit_windowed(records, profile, clock_hz, fallback, notes) -> dict:
+  """The windowed_* terms from "xla" programs under "async" and their "async_dense"
+  twins; per dataflow from the fallback where windowed einsum never fired."""
+  from .xla_baseline import windowed_movement, windowed_parts
+  xla = [r for r in records if r["program"] == "xla" and r["flag_set"] == "async"]
+  dense = {_key(r): r for r in records if r["program"] == "xla"
+           and r["flag_set"] == "async_dense"}
+  fired = [r for r in xla if r["windowed_einsum_loops"] > 0 and _key(r) in dense]
+  notes.append(f"windowed einsum fired in {len(fired)} of {len(xla)} xla programs")
+  out = {"windowed_min_ring": fallback.windowed_min_ring,
+         "windowed_min_bytes": dict(fallback.windowed_min_bytes),
+         "windowed_dot_factor": dict(fallback.windowed_dot_factor),
+         "windowed_out_s": dict(fallback.windowed_out_s),
+         "windowed_ring_hidden": fallback.windowed_ring_hidden}
+  if not fired:
+    notes.append("windowed-einsum terms come from the fallback (compile a topology whose "
+                 "mesh has an axis of 8 or more devices)")
+    return out
+  parts = {}
+  for r in fired:
+    (_, size, _, shard), _ = windowed_movement(problem_of(r), r["dataflow"])
+    parts[id(r)] = (size, shard, windowed_parts(problem_of(r), r["dataflow"],
+                                                profile_for_mesh(profile, tuple(r["mesh"])),
+                                                None))
+  out["windowed_min_ring"] = min(parts[id(r)][0] for r in fired)
+  for flow in _FLOWS:
+    mine = [r for r in fired if r["dataflow"] == flow]
+    if not mine:
+      notes.append(f"{flow}: windowed einsum never fired; its terms from the fallback")
+      continue
+    out["windowed_min_bytes"][flow] = float(min(parts[id(r)][1] for r in mine))
+    out["windowed_dot_factor"][flow] = round(statistics.median(
+        r["dot_cycles"] / dense[_key(r)]["dot_cycles"] for r in mine), 3)
+    out["windowed_out_s"][flow] = float("%.4g" % statistics.median(
+        (r["compute_cycles"] - r["dot_cycles"]) / clock_hz / parts[id(r)][2][2]
+        for r in mine))
+  def error(hidden):
+    total = 0.0
+    for r in fired:
+      other_s, _, out_elems, ring_s = parts[id(r)][2]
+      flow = r["dataflow"]
+      loop = (out["windowed_dot_factor"][flow] * dense[_key(r)]["dot_cycles"] / clock_hz
+              + out_elems * out["windowed_out_s"][flow])
+      predicted = other_s + loop + max(0.0, ring_s - hidden * loop)
+      total += abs(predicted / r["step_s"] - 1)
+    return total
+  out["windowed_ring_hidden"] = min((h / 20 for h in range(21)), key=error)
+  return out
 

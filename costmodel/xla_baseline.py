@@ -18,11 +18,21 @@ versioned section "compiler_terms":
   async_fraction     per dataflow and collective kind: the share of the pipelined
                      sliced collectives the compiler makes asynchronous (overlapped with
                      the partial matmuls); the rest run synchronously and add
-  windowed_min_ring  XLA's windowed einsum (collective matmul) fires when the ring axis
-  windowed_min_bytes has at least this many devices and the windowed operand's
-                     per-device shard at least this many bytes
-  windowed_compute_factor  compute of XLA's windowed-einsum loop over the same site's
-                     dense program (its chunk dots are estimated well above the fused dot)
+  allreduce_max_block  per dataflow: sliced reduce-scatters whose block (communicated
+                     extent / (S * lcm(R, C))) is at most this many elements compile as
+                     synchronous all-reduces (twice the bytes; seen for ls, whose scatter
+                     runs along the minor, 128-lane dim); 0: never seen
+  windowed_min_ring  XLA's windowed einsum (collective matmul) fires when its ring axis
+  windowed_min_bytes has at least this many devices and (per dataflow) the windowed
+                     matrix's per-device shard at least this many bytes. XLA windows the
+                     reduce-scatter when the dataflow has one (ls, rs), else the larger
+                     all-gather (os: X's)
+  windowed_dot_factor  per dataflow: dot cycles of the windowed loop over the dense
+                     program's (its chunk dots are estimated well above the fused dot)
+  windowed_out_s     per dataflow: the loop's other compute, seconds per output element
+                     per device (partial-sum updates of the reduce-scatter rings)
+  windowed_ring_hidden  the share of the loop's compute that hides its ring of
+                     collective-permutes (the rest of the ring is exposed)
 
 With terms, a candidate's time is its analytic schedule re-priced stage by stage
 (`compiled_seconds`): matmuls by the dot terms, other compute ops scaled by extra_scale,
@@ -37,9 +47,11 @@ XLA's own program for the site (`xla_seconds`), under the recommended async flag
               nothing overlapped: XLA's partitioner emits the same all-gathers, dot and
               reduce-scatter (checked: for os / ls / rs 8192^3 on v4 the plain jit and
               the collective rewrite compile to the same cycles and collectives)
-    windowed  a ring of collective-permutes on the axis moving the most bytes,
-              bidirectional, beside the chunk dots; the other axis's collective exposed:
-              other collective + max(dense compute * windowed_compute_factor, ring)
+    windowed  a ring of collective-permutes over the windowed matrix's axis beside the
+              chunk dots, the other axis's collective exposed:
+              other collective + loop compute + max(0, ring - hidden * loop compute),
+              loop compute = dense dot * windowed_dot_factor + output * windowed_out_s,
+              ring = (n - 1) permutes of the windowed matrix's shard
 
 Example:
   >>> from meshslice.costmodel import GemmProblem, load_profile
@@ -53,11 +65,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 from .profiles import HardwareProfile, load_profile
-from .timing import (DATAFLOWS, GemmProblem, collective_time, permute_time, schedule)
+from .timing import (DATAFLOWS, GemmProblem, all_reduce_time, collective_time,
+                     permute_time, schedule)
 
 SECTION = "compiler_terms"
 VERSION = 1
@@ -79,23 +91,28 @@ class CompilerTerms:
   dot_fixed_s: float
   extra_scale: dict
   async_fraction: dict
+  allreduce_max_block: dict
   windowed_min_ring: int
-  windowed_min_bytes: float
-  windowed_compute_factor: float
+  windowed_min_bytes: dict
+  windowed_dot_factor: dict
+  windowed_out_s: dict
+  windowed_ring_hidden: float
   source: str = ""
 
   def __post_init__(self):
     if not 0 < self.dot_efficiency <= 1:
       raise ValueError(f"dot_efficiency must be in (0, 1], got {self.dot_efficiency!r}")
-    for name in ("dot_fixed_s", "windowed_min_bytes"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-    if self.windowed_compute_factor <= 0 or self.windowed_min_ring < 2:
-      raise ValueError("windowed_compute_factor must be > 0 and windowed_min_ring >= 2")
+    if self.dot_fixed_s < 0 or not 0 <= self.windowed_ring_hidden <= 1:
+      raise ValueError("dot_fixed_s must be >= 0 and windowed_ring_hidden in [0, 1]")
+    if self.windowed_min_ring < 2:
+      raise ValueError(f"windowed_min_ring must be >= 2, got {self.windowed_min_ring!r}")
+    for name in ("extra_scale", "allreduce_max_block", "windowed_min_bytes",
+                 "windowed_dot_factor", "windowed_out_s"):
+      values = getattr(self, name)
+      if not isinstance(values, dict) or any(values.get(f, -1) < 0 for f in DATAFLOWS):
+        raise ValueError(f"{name} needs a value >= 0 for each of {DATAFLOWS}, got "
+                         f"{values!r}")
     for flow in DATAFLOWS:
-      if self.extra_scale.get(flow, -1) < 0:
-        raise ValueError(f"extra_scale needs a value >= 0 for each of {DATAFLOWS}, got "
-                         f"{self.extra_scale!r}")
       fractions = self.async_fraction.get(flow, {})
       if any(not 0 <= fractions.get(k, -1) <= 1 for k in _KINDS):
         raise ValueError(f"async_fraction[{flow!r}] needs {_KINDS} in [0, 1], got "
@@ -119,18 +136,25 @@ class CompilerTerms:
       raise ValueError(f"section {SECTION!r}: {e}") from None
 
 
-# Fitted by `python -m meshslice calibrate --aot v4:2x2x2` (jax 0.10.2, libtpu 0.0.42.1;
-# see docs/tpu.md, "The planner learns from the compiler"), windowed einsum from the
-# 256-chip GPT-3 / Megatron-NLG sites of bench/tpu_rank.py. Used for every TPU profile
-# without a calibrated section: the terms are fractions and seconds, not v4 cycles.
+# Fitted by `python -m meshslice calibrate --aot v4:4x4x4 --mesh 8x8 --shapes
+# 65536x8192x8192,32768x16384x4096,16384x4096x2048,8192x8192x8192` (jax 0.10.2, libtpu
+# 0.0.42.1, 2026-12-01; 60 compiles, ~8 min here; windowed einsum fired in 8 of 12 XLA
+# programs: it needs a ring of >= 8 devices, so v4:2x2x2 cannot show it). Used for every
+# TPU profile without a calibrated section: the terms are fractions and seconds, not
+# cycles, but were measured on v4 only. Re-run after changing the emitted code.
 _TPU_V4 = CompilerTerms(
-    dot_efficiency=0.915, dot_fixed_s=2.0e-6,
-    extra_scale={"os": 1.0, "ls": 4.0, "rs": 3.5},
+    dot_efficiency=0.8909, dot_fixed_s=4.957e-06,
+    extra_scale={"os": 0.885, "ls": 2.481, "rs": 2.157},
     async_fraction={"os": {"all_gather": 0.5, "reduce_scatter": 0.0},
                     "ls": {"all_gather": 1.0, "reduce_scatter": 0.0},
                     "rs": {"all_gather": 1.0, "reduce_scatter": 0.0}},
-    windowed_min_ring=8, windowed_min_bytes=0.0, windowed_compute_factor=2.3,
-    source="built-in: placeholder until calibrated")
+    allreduce_max_block={"os": 0.0, "ls": 128.0, "rs": 0.0},
+    windowed_min_ring=8,
+    windowed_min_bytes={"os": 2097152.0, "ls": 1048576.0, "rs": 2097152.0},
+    windowed_dot_factor={"os": 2.957, "ls": 2.313, "rs": 2.128},
+    windowed_out_s={"os": 4.092e-11, "ls": 2.4e-10, "rs": 2.397e-10},
+    windowed_ring_hidden=0.0,
+    source="built-in: calibrate --aot v4:4x4x4 --mesh 8x8 (jax 0.10.2, libtpu 0.0.42.1)")
 
 
 def builtin_terms(profile_name: str) -> CompilerTerms | None:
@@ -202,6 +226,14 @@ def compiled_seconds(problem: GemmProblem, algorithm: str, dataflow: str, ksplit
   slices = 1 if algorithm == "collective" else ksplit
   flops = problem.flops / (problem.rows * problem.cols) / slices
   overlap = terms.async_fraction[dataflow]
+  # sliced reduce-scatters on blocks too small for the compiler: synchronous all-reduces
+  as_all_reduce = None
+  block = problem.extent(dataflow) / (slices * problem.lcm)
+  if slices > 1 and block <= terms.allreduce_max_block[dataflow]:
+    _, size, dim, shard = next((v for v in _movements(problem, dataflow)
+                                if v[0] == "reduce_scatter"), (None, 1, 0, 0.0))
+    if size > 1:
+      as_all_reduce = all_reduce_time(profile, dim, size, shard / slices * size)
   total = 0.0
   for stage in sched.stages:
     compute = links_row = links_col = exposed = 0.0
@@ -213,16 +245,18 @@ def compiled_seconds(problem: GemmProblem, algorithm: str, dataflow: str, ksplit
     for op in stage.ops:
       if op.stream == "compute":
         continue
-      hidden = overlap.get(_kind(op.name), 0.0) if has_compute else 1.0
-      exposed += op.seconds * (1 - hidden)
-      if op.stream == "row":
-        links_row += op.seconds * hidden
+      seconds, kind = op.seconds, _kind(op.name)
+      if kind == "reduce_scatter" and as_all_reduce is not None:
+        seconds, hidden = as_all_reduce, 0.0
       else:
-        links_col += op.seconds * hidden
-    if has_compute:
+        hidden = overlap.get(kind, 0.0) if has_compute else 1.0
+      exposed += seconds * (1 - hidden)
+      if op.stream == "row":
+        links_row += seconds * hidden
+      else:
+        links_col += seconds * hidden
+    if profile.overlap:
       total += stage.repeat * (max(compute, links_row, links_col) + exposed)
-    elif profile.overlap:
-      total += stage.repeat * (max(compute, links_row, links_col))
     else:
       total += stage.repeat * (compute + links_row + links_col + exposed)
   return total
@@ -252,13 +286,35 @@ def _movements(p: GemmProblem, dataflow: str):
                  ("reduce_scatter", *row, y))}[dataflow]
 
 
+def windowed_movement(problem: GemmProblem, dataflow: str):
+  """(windowed movement, other movement) of XLA's windowed einsum on this site: the
+  reduce-scatter when the dataflow has one, else the all-gather moving more bytes."""
+  moves = _movements(problem, dataflow)
+  scatter = [v for v in moves if v[0] == "reduce_scatter"]
+  ring = scatter[0] if scatter else max(moves, key=lambda v: (v[1] - 1) * v[3])
+  return ring, next(v for v in moves if v is not ring)
+
+
 def windowed_fires(problem: GemmProblem, dataflow: str, terms: CompilerTerms) -> bool:
-  """Whether XLA's windowed einsum is predicted to fire on this site: the movement with
-  the most bytes ((n - 1) * shard) rings over at least windowed_min_ring devices with a
-  shard of at least windowed_min_bytes."""
-  kind, size, dim, shard = max(_movements(problem, dataflow),
-                               key=lambda v: (v[1] - 1) * v[3])
-  return size >= terms.windowed_min_ring and shard >= terms.windowed_min_bytes
+  """Whether XLA's windowed einsum is predicted to fire on this site: its ring has at
+  least windowed_min_ring devices and the windowed matrix's shard at least
+  windowed_min_bytes[dataflow]."""
+  (_, size, _, shard), _ = windowed_movement(problem, dataflow)
+  return size >= terms.windowed_min_ring and shard >= terms.windowed_min_bytes[dataflow]
+
+
+def windowed_parts(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
+                   terms: CompilerTerms | None):
+  """(exposed other collective, loop compute without the factors: dense dot seconds,
+  output elements per device, ring seconds) of XLA's windowed einsum on this site."""
+  (_, size, dim, shard), (okind, osize, odim, oshard) = windowed_movement(problem, dataflow)
+  ring_s = (size - 1) * permute_time(profile, dim, shard)
+  other_s = collective_time(profile, okind, odim, osize, oshard)
+  devices = problem.rows * problem.cols
+  dot = (dot_seconds(terms, profile, problem.flops / devices) if terms is not None
+         else problem.flops / devices / profile.peak_flops)
+  out = problem.batch * problem.m * problem.n / devices
+  return other_s, dot, out, ring_s
 
 
 def xla_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
@@ -276,13 +332,9 @@ def xla_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
   dense = compiled_seconds(problem, "collective", dataflow, 1, profile, terms)
   if baseline == "dense" or not windowed_fires(problem, dataflow, terms):
     return XlaProgram(seconds=dense, windowed=False, description="dense program")
-  ring, other = sorted(_movements(problem, dataflow), key=lambda v: (v[1] - 1) * v[3],
-                       reverse=True)
-  kind, size, dim, shard = ring
-  ring_s = math.ceil((size - 1) / 2) * permute_time(profile, dim, shard)
-  okind, osize, odim, oshard = other
-  other_s = collective_time(profile, okind, odim, osize, oshard)
-  compute = dot_seconds(terms, profile, problem.flops / (problem.rows * problem.cols))
-  seconds = other_s + max(compute * terms.windowed_compute_factor, ring_s)
+  other_s, dot, out, ring_s = windowed_parts(problem, dataflow, profile, terms)
+  loop = dot * terms.windowed_dot_factor[dataflow] + out * terms.windowed_out_s[dataflow]
+  seconds = other_s + loop + max(0.0, ring_s - terms.windowed_ring_hidden * loop)
+  (_, size, _, _), _ = windowed_movement(problem, dataflow)
   return XlaProgram(seconds=seconds, windowed=True,
                     description=f"windowed einsum (a ring over {size} devices)")
