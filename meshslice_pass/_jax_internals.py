@@ -62,6 +62,30 @@ def inline_closed(closed: ClosedJaxpr, *args):
   return _pe.inline_jaxpr_into_trace(trace, src, closed.jaxpr, closed.consts, *tracers)
 
 
+def copy_eqn(eqn, invals):
+  """Stage `eqn` into the jaxpr being traced as it is, on `invals`: its outputs, or None
+  when it must be re-bound instead.
+
+  Re-binding runs the primitive's staging rule and abstract evaluation again, which is
+  most of emission's cost on a large program; when the inputs have exactly the types the
+  equation was traced with (everything but the rewritten sites and what follows from
+  them, which keep their types too), the equation is valid as it stands. Call it under
+  `rebind_context(eqn)`: the copy takes the current traceback and name stack.
+  """
+  trace = _core.trace_ctx.trace
+  if (eqn.effects or not isinstance(trace, _pe.DynamicJaxprTrace) or trace.requires_low):
+    return None
+  src = source_info_util.current()
+  tracers = []
+  for v, x in zip(eqn.invars, invals):
+    t = trace.to_jaxpr_tracer(x, src)
+    if t.aval != v.aval:
+      return None
+    tracers.append(t)
+  return trace.emit_eqn(tracers, [v.aval for v in eqn.outvars], eqn.primitive, eqn.params,
+                        eqn.effects, src, eqn.ctx)
+
+
 def hoist_consts(closed: ClosedJaxpr):
   """Turn a ClosedJaxpr's consts into leading invars: returns (open jaxpr, consts)."""
   return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)

@@ -53,7 +53,8 @@ class Context:
   # Sub-jaxpr analyses by (body, analysis it continued from, boundary specs). JAX gives
   # every call of a `jax.checkpoint`-ed function the same body object, so the identical
   # layers of an unrolled model are analysed once; analyses are never changed after they
-  # are made (a re-analysis continues from a copy), which makes sharing them safe.
+  # are made (a re-analysis continues from a copy), which makes sharing them safe. Also
+  # the results of the pure layout checks, by their arguments.
   memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
@@ -102,7 +103,7 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
     explicit = _explicit_spec(v.aval, ctx.axis_sizes)
     if explicit is not None:
       spec = explicit   # Explicit mode: the type in the program wins (over out_shardings)
-    if layout_reason("value", _shape(v), spec, ctx.axis_sizes):
+    if not _possible_layout(ctx, _shape(v), spec):
       return          # an inferred layout that cannot exist stays unknown
     specs[v] = spec
     changed = True
@@ -152,13 +153,32 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
       for _, eqn in order:
         if eqn.primitive.name == "dot_general" and get(eqn.outvars[0]) is None:
           lhs, rhs = (get(v) for v in eqn.invars)
-          found = matching.classify(eqn.params["dimension_numbers"], _shape(eqn.invars[0]),
-                                    _shape(eqn.invars[1]), lhs, rhs, ctx.axis_sizes)
+          found = _classify(ctx, eqn.params["dimension_numbers"], _shape(eqn.invars[0]),
+                            _shape(eqn.invars[1]), lhs, rhs)
           if found.matches:
             put(eqn.outvars[0], found.matches[0].out_spec)
       if changed:
         phases.append((order[::-1] + order, False))
   return state
+
+
+def _possible_layout(ctx, shape, spec) -> bool:
+  """Whether `spec` is a layout `shape` can have (memoized: layers repeat the same ones)."""
+  key = ("layout", shape, spec)
+  found = ctx.memo.get(key)
+  if found is None:
+    found = ctx.memo[key] = not layout_reason("value", shape, spec, ctx.axis_sizes)
+  return found
+
+
+def _classify(ctx, dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec):
+  """`matching.classify`, memoized per distinct matmul (it is pure)."""
+  key = ("classify", dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec)
+  found = ctx.memo.get(key)
+  if found is None:
+    found = ctx.memo[key] = matching.classify(dimension_numbers, lhs_shape, rhs_shape,
+                                              lhs_spec, rhs_spec, ctx.axis_sizes)
+  return found
 
 
 # ---------------------------------------------------------------- generic rules
@@ -384,8 +404,7 @@ def _dot_general(eqn, ins, outs, ctx, state, index):
   natural = matching.natural_output_spec(dn, ins[0], ins[1])
   if natural is not None:
     return ins, [natural]
-  found = matching.classify(dn, _shape(eqn.invars[0]), _shape(eqn.invars[1]), ins[0], ins[1],
-                            ctx.axis_sizes)
+  found = _classify(ctx, dn, _shape(eqn.invars[0]), _shape(eqn.invars[1]), ins[0], ins[1])
   # OS has one output layout; LS vs RS waits for a consumer to say which it wants
   # (the backward sweep), so only fill it in when the choice is forced.
   if len(found.matches) == 1:

@@ -15,8 +15,8 @@ from meshslice.rewrites import build_body
 
 from . import specs as S
 from .analysis import sub_jaxprs
-from ._jax_internals import (ClosedJaxpr, Literal, hoist_consts, inline_closed, rebind_context,
-                             retrace, scan_params_with_consts, trace_once)
+from ._jax_internals import (ClosedJaxpr, Literal, copy_eqn, hoist_consts, inline_closed,
+                             rebind_context, retrace, scan_params_with_consts, trace_once)
 
 _HANDLERS = {}
 
@@ -68,7 +68,9 @@ class Emitter:
                  for (p, b), _ in sub_jaxprs(eqn)):
           outs = _HANDLERS[eqn.primitive.name](self, eqn, invals, prefix + (i,))
         else:
-          outs = _bind(eqn, invals, eqn.params)
+          outs = copy_eqn(eqn, invals)
+          if outs is None:
+            outs = _bind(eqn, invals, eqn.params)
       for v, x in zip(eqn.outvars, outs):
         env[v] = x
     return [read(v) for v in jaxpr.outvars]

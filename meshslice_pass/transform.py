@@ -309,8 +309,13 @@ def _find_mesh(params, leaf_shardings, closed):
   AbstractMesh (planning only, or tracing inside an outer transformation)."""
   candidates = list(params["in_shardings"]) + list(params["out_shardings"])
   candidates += list(leaf_shardings)
-  candidates += [eqn.params.get("sharding") for eqn in _all_eqns(closed.jaxpr)]
   named = [s.mesh for s in candidates if isinstance(s, NamedSharding) and s.mesh.axis_names]
+  for mesh in named:
+    if isinstance(mesh, Mesh):
+      return mesh
+  # only then the program's own sharding constraints (walking them all is not free)
+  inner = [eqn.params.get("sharding") for eqn in _all_eqns(closed.jaxpr)]
+  named += [s.mesh for s in inner if isinstance(s, NamedSharding) and s.mesh.axis_names]
   for mesh in named:
     if isinstance(mesh, Mesh):
       return mesh
@@ -358,11 +363,15 @@ def _name(fn) -> str:
   return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _all_eqns(jaxpr):
+def _all_eqns(jaxpr, seen=None):
+  """Every equation of `jaxpr` and its sub-jaxprs, each shared body visited once."""
+  seen = set() if seen is None else seen
   for eqn in jaxpr.eqns:
     yield eqn
     for _, sub in A.sub_jaxprs(eqn):
-      yield from _all_eqns(sub)
+      if id(sub) not in seen:
+        seen.add(id(sub))
+        yield from _all_eqns(sub, seen)
 
 
 def transform(fn: Callable, **options) -> Transformed:

@@ -97,3 +97,48 @@ def test_sites_of_another_shape_do_not_share_a_body():
   assert bodies[0] == bodies[1] != bodies[2]
   assert [e.outvars[0].aval.shape for e in maps] == [(16, 64), (16, 64), (16, 128)]
   assert_trees_close(fast(x, wa, wb, wc), f(x, wa, wb, wc))
+
+
+def _body_analyses(layers):
+  """(remat equations, distinct analyses of their bodies) of the `layers`-deep model."""
+  s, x, ws = _inputs(layers=layers)
+  step = jax.jit(jax.grad(_loss, argnums=1), in_shardings=(s, [s] * len(ws)))
+  closed = step.trace(x, ws).jaxpr
+  specs = [(("x",), ("y",))] * (1 + len(ws))
+  result = analysis.analyze(closed, specs, [None] * len(ws),
+                            analysis.Context(axis_sizes={"x": 2, "y": 4}))
+  children = [result.children[(i, "jaxpr", 0)] for i, eqn in enumerate(closed.jaxpr.eqns)
+              if eqn.primitive.name == "remat2"]
+  for child, eqn in zip(children, [e for e in closed.jaxpr.eqns if e.primitive.name == "remat2"]):
+    # each is a complete analysis: every matmul operand inside has a layout
+    dots = [e for e in eqn.params["jaxpr"].eqns if e.primitive.name == "dot_general"]
+    assert dots and all(child.specs.get(v) is not None for e in dots for v in e.invars)
+  return len(children), len({id(c) for c in children})
+
+
+def test_identical_checkpoint_bodies_share_their_analysis():
+  # layers that see the same boundary layouts in the same order share one analysis, so
+  # the work does not grow with depth (the first and last layers differ: their inputs or
+  # outputs are the program's own)
+  shallow, deep = _body_analyses(4), _body_analyses(8)
+  assert shallow[0] == 4 and deep[0] == 8
+  assert deep[1] == shallow[1] < 4
+
+
+def test_equations_with_effects_are_rebound():
+  s, x, (w,) = _inputs(layers=1)
+  seen = []
+
+  def f(x, w):
+    y = x @ w
+    jax.debug.callback(lambda v: seen.append(float(v)), jnp.sum(y))
+    return jnp.tanh(y) @ w
+
+  expected = jax.block_until_ready(f(x, w))
+  seen.clear()
+  fast = meshslice.transform(jax.jit(f, in_shardings=(s, s)))
+  assert len(fast.explain(x, w).rewritten) == 2
+  out = jax.block_until_ready(fast(x, w))
+  assert_trees_close(out, expected)
+  assert len(seen) == 1 and abs(seen[0] - float(jnp.sum(x @ w))) < 1e-2 * max(1.0, abs(seen[0]))
+  assert len(_of(jax.make_jaxpr(fast)(x, w).jaxpr, "debug_callback")) == 1
