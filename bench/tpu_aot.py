@@ -55,6 +55,9 @@ _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "seconds per compile (each vari
 _OUT = flags.DEFINE_string("out", None, "append one JSON line per (model, chips, variant)")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "write the table as markdown here")
 _WORKER = flags.DEFINE_string("worker", None, "internal: run one variant, JSON spec")
+_SAVE_HLO = flags.DEFINE_string("save_hlo", None, "write each compiled program's text here "
+                                "(MODEL_CHIPS_MESH_VARIANT.hlo), to re-read it later without "
+                                "compiling: tpu_schedule.read_schedule(open(path).read())")
 
 VARIANTS = {   # name: (meshslice.transform?, libtpu flag presets of meshslice.aot)
     "plain": (False, ()), "dense": (False, ("dense",)), "meshslice": (True, ("async",)),
@@ -83,6 +86,11 @@ def _worker(spec: dict) -> dict:
     record["plans"] = sorted({f"{s.algorithm} {s.dataflow} S={s.ksplit}"
                               for s in report.rewritten})
   compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
+  if spec.get("save_hlo"):
+    name = f"{spec['model']}_{spec['topology']}_{'x'.join(map(str, spec['mesh']))}_{spec['variant']}"
+    os.makedirs(spec["save_hlo"], exist_ok=True)
+    with open(os.path.join(spec["save_hlo"], name.replace(":", "-") + ".hlo"), "w") as f:
+      f.write(compiled.as_text())
   record.update(aot.analyze(compiled, gen.profile, compile_s=seconds).row())
   return record
 
@@ -159,7 +167,7 @@ def main(argv):
         mesh = _mesh_for(model, chips, profile)
         for variant in _VARIANTS.value:
           spec = {"model": model, "topology": topology, "mesh": list(mesh),
-                  "variant": variant, "layers": _LAYERS.value}
+                  "variant": variant, "layers": _LAYERS.value, "save_hlo": _SAVE_HLO.value}
           record = dict(spec, chips=chips, generation=generation, **_run_variant(spec))
           records.append(record)
           print(" | ".join(_cells(record)), flush=True)
