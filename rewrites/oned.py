@@ -176,54 +176,36 @@ def _sliced_gather(g: OneDGeometry, ksplit, block, lhs, rhs):
 
 
 def _sliced_scatter(g: OneDGeometry, ksplit, block, lhs, rhs):
-  which, dim = _source(g, lhs.ndim, rhs.ndim)
-  acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
-  source = lhs if which == "lhs" else rhs
-
-  def multiply(src, s):
-    piece = take_slice(src, dim, ksplit, block, s)
-    return _multiply(g, which, piece, lhs, rhs, acc_dtype).astype(out_dtype)
-
-  def scatter(partial):
-    return lax.psum_scatter(partial, g.axis, scatter_dimension=g.out_dim, tiled=True)
-
-  src, pieces, pending = source, [], None
-  for s in range(ksplit):
-    last = s + 1 == ksplit
-    if pending is not None:
-      pieces.append(scatter(pending))    # reduce-scatter of slice s-1 beside matmul s
-    part = multiply(src, s)
-    if not last:
-      if pieces:
-        src, part, pieces[-1] = pipeline_barrier((src, part, pieces[-1]))
-      else:
-        src, part = pipeline_barrier((src, part))
-    pending = part
-  pieces.append(scatter(pending))
-  return _finish(g, assemble_slices(pieces, g.out_dim, block), lhs, rhs)
+  scatter = lambda partial: lax.psum_scatter(partial, g.axis, scatter_dimension=g.out_dim,
+                                             tiled=True)
+  return _finish(g, _pipelined_reduction(g, ksplit, block, lhs, rhs, scatter), lhs, rhs)
 
 
 def _sliced_all_reduce(g: OneDGeometry, ksplit, block, lhs, rhs):
   """Cut the output's free dim out_dim into slices (through the operand that supplies it);
   the psum of slice s runs beside the matmul of slice s+1. Every slice is summed over all
   the axes splitting the contraction at once, so nothing is left for `_finish` to sum."""
+  axes = (g.axis,) + tuple(g.reduce_axes)
+  return _pipelined_reduction(g, ksplit, block, lhs, rhs, lambda part: lax.psum(part, axes))
+
+
+def _pipelined_reduction(g: OneDGeometry, ksplit, block, lhs, rhs, reduce):
+  """The partial product of output slice s, `reduce`d (reduce-scatter or all-reduce) beside
+  the matmul of slice s+1; the reduced slices reassembled into the local output."""
   which, dim = _source(g, lhs.ndim, rhs.ndim)
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
-  source = lhs if which == "lhs" else rhs
-  axes = (g.axis,) + tuple(g.reduce_axes)
 
   def multiply(src, s):
     piece = take_slice(src, dim, ksplit, block, s)
-    # summed in the output dtype, as the unsliced program's all-reduce is
+    # reduced in the output dtype, as the unsliced program's collective is
     return _multiply(g, which, piece, lhs, rhs, acc_dtype).astype(out_dtype)
 
-  src, pieces, pending = source, [], None
+  src, pieces, pending = lhs if which == "lhs" else rhs, [], None
   for s in range(ksplit):
     last = s + 1 == ksplit
     if pending is not None:
-      pieces.append(lax.psum(pending, axes))    # all-reduce of slice s-1 beside matmul s
+      pieces.append(reduce(pending))     # the collective of slice s-1 beside matmul s
     part = multiply(src, s)
     if not last:
       if pieces:
@@ -231,7 +213,7 @@ def _sliced_all_reduce(g: OneDGeometry, ksplit, block, lhs, rhs):
       else:
         src, part = pipeline_barrier((src, part))
     pending = part
-  pieces.append(lax.psum(pending, axes))
+  pieces.append(reduce(pending))
   return assemble_slices(pieces, g.out_dim, block)
 
 
