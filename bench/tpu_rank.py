@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from absl import app, flags
 
@@ -62,12 +61,6 @@ def site_cases(models, tokens: int):
   return cases
 
 
-def _key(record_or_case, program=None, flag_set=None):
-  r = record_or_case if isinstance(record_or_case, dict) else record_or_case.__dict__
-  return (r["dataflow"], r["m"], r["k"], r["n"], program or r["program"],
-          flag_set or r["flag_set"], r.get("topology"), tuple(r.get("mesh", ())))
-
-
 def load_records(path):
   if not os.path.exists(path):
     return []
@@ -77,8 +70,7 @@ def load_records(path):
 
 def compile_missing(cases, topology, mesh, ksplits, path):
   """Compile what `path` lacks, one flag set per subprocess, appending as it goes."""
-  from meshslice.aot_sites import Case, compile_in_subprocess
-  import dataclasses
+  from meshslice.aot_sites import compile_in_subprocess
   have = {(r["dataflow"], r["m"], r["k"], r["n"], r["flag_set"], r["topology"],
            tuple(r["mesh"])) for r in load_records(path)}
   for flag_set, ks in (("async", ksplits), ("async_dense", ())):

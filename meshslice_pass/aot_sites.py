@@ -88,13 +88,13 @@ def _record(compiled, profile: str, mesh_shape) -> dict:
                     clock_hz=ts.CLOCK_HZ[profile])
   sync, asyn = {}, {}
   dots = []
-  for op, times in ts._weighted(schedule.entries):
+  for op in schedule.expanded():        # loop bodies once per trip (short loops here)
     if op.kind == "collective":
-      sync[op.collective] = sync.get(op.collective, 0) + times
+      sync[op.collective] = sync.get(op.collective, 0) + 1
     elif op.kind == "start":
-      asyn[op.collective] = asyn.get(op.collective, 0) + times
+      asyn[op.collective] = asyn.get(op.collective, 0) + 1
     if op.kind == "dot":
-      dots.append((op.cycles, op.flops, times))
+      dots.append((op.cycles, op.flops, 1))
   return {"compute_cycles": summary.compute_cycles, "dot_cycles": summary.dot_cycles,
           "copy_cycles": summary.copy_cycles, "other_cycles": summary.other_cycles,
           "relayout_copies": summary.relayout_copies, "dots": dots,
@@ -254,7 +254,6 @@ def calibrate_main(argv) -> int:
     records += compile_in_subprocess(args.aot, mesh, cases, flag_set, ksplits=ks,
                                      echo=lambda s: print(s, flush=True)
                                      if "Mcycles" in s else None)
-  import libtpu   # noqa: F401  (version for the record)
   from importlib.metadata import version
   source = (f"python -m meshslice calibrate --aot {args.aot} --mesh {mesh[0]}x{mesh[1]} "
             f"--shapes {args.shapes} --ksplits {args.ksplits}; jax {jax.__version__}, "
