@@ -52,7 +52,9 @@ emits; `algorithm_doc(name)` gives the details and assumptions):
 
 1D-sharded matmuls (only one mesh axis involved) are the same problem with R = 1 or
 C = 1: see `GemmProblem.one_d` (collective, meshslice and wang apply; cannon and summa
-need two axes).
+need two axes). An all-reduce site, whose partial sums are psummed rather than
+scattered, is `one_d(collective="all_reduce")`: its Y movement costs `all_reduce_time`,
+and only collective and meshslice apply.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ from .profiles import HardwareProfile, load_profile
 
 ALGORITHMS = ("collective", "meshslice", "cannon", "wang", "summa")
 DATAFLOWS = ("os", "ls", "rs")
+REDUCTIONS = ("reduce_scatter", "all_reduce")
 STREAMS = ("compute", "row", "col")
 
 
@@ -83,6 +86,9 @@ class GemmProblem:
     out_bytes: bytes per element of the output (and of reduce-scattered partials).
     row_profile_dim, col_profile_dim: which profile dim (0 or 1: the pair index of the
       profile's bandwidths) the row and column axes communicate over.
+    reduction: how the partial sums of Y leave the matmul when the dataflow moves Y:
+      "reduce_scatter" (Y ends split over that axis) or "all_reduce" (Y ends whole on
+      every device of the axis: a 1D all-reduce site, `one_d(collective="all_reduce")`).
 
   Example:
     >>> p = GemmProblem(m=4096, n=4096, k=4096, rows=2, cols=4)
@@ -100,6 +106,7 @@ class GemmProblem:
   out_bytes: int = 2
   row_profile_dim: int = 0
   col_profile_dim: int = 1
+  reduction: str = "reduce_scatter"
 
   def __post_init__(self):
     for name in ("m", "n", "k", "rows", "cols", "batch", "in_bytes", "out_bytes"):
@@ -108,6 +115,8 @@ class GemmProblem:
       if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be 0 or 1 (a profile dim), got "
                          f"{getattr(self, name)!r}")
+    if self.reduction not in REDUCTIONS:
+      raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
 
   @classmethod
   def one_d(cls, *, m: int, n: int, k: int, size: int, collective: str,
@@ -120,21 +129,27 @@ class GemmProblem:
       W[K, N:size] (sequence-parallel column-parallel linear) -> rows=1, cols=size.
     collective="reduce_scatter": X[M, K:size] . W[K:size, N] gives partial sums that
       are reduce-scattered along M (row-parallel linear) -> rows=size, cols=1.
+    collective="all_reduce": the same partial sums psummed, Y[M, N] whole on every
+      device (a row-parallel linear feeding replicated activations) -> rows=size,
+      cols=1, reduction="all_reduce"; M is the dim cut into slices.
 
     Example:
       >>> p = GemmProblem.one_d(m=8192, n=4096, k=4096, size=8, collective="all_gather")
       >>> (p.rows, p.cols), p.local_shape("rs")
       ((1, 8), (8192.0, 512.0, 4096.0))
+      >>> GemmProblem.one_d(m=8192, n=4096, k=4096, size=8, collective="all_reduce").reduction
+      'all_reduce'
     """
-    if collective not in ("all_gather", "reduce_scatter"):
-      raise ValueError(f"collective must be 'all_gather' or 'reduce_scatter', got "
-                       f"{collective!r}")
+    if collective not in ("all_gather", "reduce_scatter", "all_reduce"):
+      raise ValueError(f"collective must be 'all_gather', 'reduce_scatter' or 'all_reduce', "
+                       f"got {collective!r}")
     if profile_dim not in (0, 1):
       raise ValueError(f"profile_dim must be 0 or 1, got {profile_dim!r}")
     rows, cols = (1, size) if collective == "all_gather" else (size, 1)
     return cls(m=m, n=n, k=k, rows=rows, cols=cols, batch=batch, in_bytes=in_bytes,
                out_bytes=out_bytes, row_profile_dim=profile_dim,
-               col_profile_dim=profile_dim)
+               col_profile_dim=profile_dim,
+               reduction="all_reduce" if collective == "all_reduce" else "reduce_scatter")
 
   @property
   def lcm(self) -> int:
@@ -381,11 +396,13 @@ class Schedule:
 class _Movement:
   """One matrix crossing one link: what the dataflow communicates (unsliced)."""
 
-  kind: str           # "all_gather" (an input arrives) or "reduce_scatter" (output leaves)
+  kind: str           # "all_gather" (an input arrives), "reduce_scatter" or "all_reduce"
+                      # (the output's partial sums leave: GemmProblem.reduction)
   link: str           # "row" or "col"
   size: int           # devices on that mesh axis
   dim: int            # profile dim of that axis
-  shard_bytes: float  # per-device shard, whole (unsliced)
+  shard_bytes: float  # per-device shard, whole (unsliced); for an all-reduce the piece
+                      # each of its two halves moves per device (the buffer / size)
   matrix: str         # "X", "W" or "Y", for labels
 
 
@@ -403,10 +420,18 @@ def _movements(p: GemmProblem, dataflow: str) -> tuple[_Movement, _Movement]:
   if dataflow == "ls":
     return (_Movement(kind="all_gather", matrix="W", shard_bytes=b * k / c * n / r * p.in_bytes,
                       **row),
-            _Movement(kind="reduce_scatter", matrix="Y", shard_bytes=y_bytes, **col))
+            _Movement(kind=p.reduction, matrix="Y", shard_bytes=y_bytes, **col))
   return (_Movement(kind="all_gather", matrix="X", shard_bytes=b * m / c * k / r * p.in_bytes,
                     **col),
-          _Movement(kind="reduce_scatter", matrix="Y", shard_bytes=y_bytes, **row))
+          _Movement(kind=p.reduction, matrix="Y", shard_bytes=y_bytes, **row))
+
+
+def _out_elements(p: GemmProblem, dataflow: str) -> float:
+  """Elements of the output one device ends with: the Y shard, or, after an all-reduce,
+  the Y shard times the size of the axis Y was summed over (it stays whole there)."""
+  y = p.batch * p.m / p.rows * p.n / p.cols
+  whole = [v.size for v in _movements(p, dataflow) if v.kind == "all_reduce"]
+  return y * (whole[0] if whole else 1)
 
 
 def _sliced_shape(p: GemmProblem, dataflow: str, parts: float) -> tuple[float, float, float]:
@@ -469,7 +494,10 @@ def _algorithm(name, options=()):
 def _collective_ops(profile, mv: _Movement, parts: int, label: str) -> list[Op]:
   if mv.size <= 1:
     return []   # not issued
-  t = collective_time(profile, mv.kind, mv.dim, mv.size, mv.shard_bytes / parts)
+  if mv.kind == "all_reduce":   # psum of the slice: its reduce-scatter and all-gather halves
+    t = all_reduce_time(profile, mv.dim, mv.size, mv.shard_bytes * mv.size / parts)
+  else:
+    t = collective_time(profile, mv.kind, mv.dim, mv.size, mv.shard_bytes / parts)
   return [Op(stream=mv.link, name=label, seconds=t)]
 
 
@@ -480,6 +508,10 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
       prologue: all-gather(s=0)                 # os: both, one after the other (sync)
       step s:   matmul(s) || all-gather(s+1) || reduce-scatter(s-1)
       epilogue: reduce-scatter(S-1)                       # ls / rs only
+
+  On an all-reduce site (`GemmProblem.reduction`) each reduce-scatter is the psum of the
+  slice instead (`all_reduce_time`: a reduce-scatter and an all-gather of it), and the
+  output concatenated at the end is the whole Y.
 
   Each sliced collective moves 1/S of the shard but pays the full base overhead and
   hop latencies. For os: total = prologue + (S-1) * max(comm_slice, compute_slice) +
@@ -504,8 +536,8 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   mv = _movements(p, dataflow)
   ahead = [op for v in mv if v.kind == "all_gather"
            for op in _collective_ops(profile, v, ksplit, f"all_gather {v.matrix} slice")]
-  behind = [op for v in mv if v.kind == "reduce_scatter"
-            for op in _collective_ops(profile, v, ksplit, f"reduce_scatter {v.matrix} slice")]
+  behind = [op for v in mv if v.kind != "all_gather"
+            for op in _collective_ops(profile, v, ksplit, f"{v.kind} {v.matrix} slice")]
   compute = _matmul(p, profile, dataflow, ksplit, accumulate=dataflow == "os" and ksplit > 1)
   # The first slice's gathers are synchronous and run one after the other, also os's two
   # on different axes (the TPU compiler's schedule: docs/costmodel.md section 3 and
@@ -514,7 +546,7 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
                      serial_prologue=profile.serial_collectives)
   if ksplit > 1:
     cut = sum(v.shard_bytes for v in mv if v.kind == "all_gather" and v.size > 1)
-    y = p.batch * p.m / p.rows * p.n / p.cols
+    y = _out_elements(p, dataflow)
     if dataflow == "os":
       moved = y * (4 + p.out_bytes)
       finish = (moved / profile.hbm_bandwidth if profile.hbm_bandwidth > 0 else 0.0) + \
@@ -716,6 +748,9 @@ def why_invalid(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int
     if getattr(problem, dim) % parts:
       return (f"dataflow {dataflow!r} on a {r}x{c} mesh shards {dim}={getattr(problem, dim)} "
               f"into {parts} parts, which does not divide it")
+  if problem.reduction == "all_reduce" and algorithm not in ("collective", "meshslice"):
+    return (f"{algorithm} is not modelled for an all-reduce site (reduction='all_reduce'): "
+            f"only collective and meshslice are")
   if algorithm in ("cannon", "summa") and min(r, c) == 1:
     return f"{algorithm} needs a 2D site (both mesh axes > 1), got a {r}x{c} mesh"
   if algorithm == "cannon" and r != c:
@@ -876,6 +911,10 @@ def lower_bound(problem: GemmProblem, profile: HardwareProfile | str,
                       in_bytes=problem.in_bytes, out_bytes=problem.out_bytes)
   links = {"row": 0.0, "col": 0.0}
   for v in _movements(problem, dataflow):
+    if v.kind == "all_reduce":   # its two halves, each at its own collective's bandwidth
+      links[v.link] += sum((v.size - 1) * v.shard_bytes / profile.collective(kind).bandwidth[v.dim]
+                           for kind in ("reduce_scatter", "all_gather"))
+      continue
     links[v.link] += (v.size - 1) * v.shard_bytes / _bound_bandwidth(profile, v, algorithms)
   comm = max(links.values())
   total = max(compute, comm)

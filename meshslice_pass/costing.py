@@ -9,6 +9,7 @@ Only the site's shapes, dtypes and mesh sizes enter, so the choice is a pure fun
 from __future__ import annotations
 
 import math
+import typing
 
 import jax.numpy as jnp
 
@@ -30,19 +31,35 @@ def model_dataflow(dataflow: str) -> str:
   return "rs" if dataflow.startswith("1d") else dataflow
 
 
-def site_profile(profile, geometry, axis_sizes):
+def site_profile(profile, geometry, axis_sizes, devices=None):
   """`profile` with its dim 0 / dim 1 derived for this site's mesh axes (row, col; or the
   one axis of a 1D site) from the profile's topology and the mesh's device order. A
-  profile without a topology, or a mesh bigger than its network, comes back unchanged."""
+  profile without a topology, or a mesh bigger than its network, comes back unchanged.
+
+  devices: the concrete mesh's device grid (`Mesh.devices`), or None (an AbstractMesh).
+  With it, a mesh axis whose devices lie on several TPU slices (their `slice_index`)
+  gets the data-centre network's figures (`costmodel.topology.profile_for_devices`).
+
+  Example:
+    >>> from meshslice.costmodel import load_profile
+    >>> from meshslice.rewrites import OneDGeometry
+    >>> g = OneDGeometry(dimension_numbers=(((1,), (0,)), ((), ())), kind="all_gather",
+    ...                  axis="y", axis_size=8, lhs_dim=0, rhs_dim=None, out_dim=0,
+    ...                  global_extent=64)
+    >>> site_profile(load_profile("tpu-v4"), g, {"x": 32, "y": 8}).name
+    'tpu-v4@32x8'
+  """
   if getattr(profile, "topology", None) is None or len(axis_sizes) < 2:
     return profile
   order = list(axis_sizes)
   axes = ((geometry.axis,) * 2 if _one_d(geometry) else (geometry.row_axis, geometry.col_axis))
   if any(a is None for a in axes):     # OS with one axis absent: both dims are that axis
     axes = (next(a for a in axes if a is not None),) * 2
+  axes = tuple(order.index(a) for a in axes)
   try:
-    return costmodel.profile_for_mesh(profile, tuple(axis_sizes.values()),
-                                      axes=tuple(order.index(a) for a in axes))
+    if devices is not None:
+      return costmodel.topology.profile_for_devices(profile, devices, axes=axes)
+    return costmodel.profile_for_mesh(profile, tuple(axis_sizes.values()), axes=axes)
   except ValueError:
     return profile
 
@@ -80,8 +97,10 @@ def problem_for(geometry, lhs_shape, rhs_shape, lhs_spec, rhs_spec, lhs_dtype, o
     # the same product with M and N exchanged is the one that is emitted.
     if _moves_rhs_free_dim(geometry, len(lb), len(lf)):
       sizes["m"], sizes["n"] = sizes["n"], sizes["m"]
+    # an all-reduce site psums its partial sums: both halves of the all-reduce are priced
+    collective = "all_reduce" if getattr(geometry, "all_reduce", False) else geometry.kind
     return costmodel.GemmProblem.one_d(
-        size=geometry.axis_size, collective=geometry.kind,
+        size=geometry.axis_size, collective=collective,
         profile_dim=0 if derived else min(mesh_order.index(geometry.axis), 1), **sizes)
   position = lambda axis: mesh_order.index(axis) if axis in mesh_order else len(mesh_order)
   row_first = derived or position(geometry.row_axis) < position(geometry.col_axis)
@@ -117,7 +136,11 @@ def predict(problem, profile, algorithm, dataflow, ksplit, terms=None) -> float:
 
 
 def xla_program(problem, profile, dataflow, baseline, terms) -> xla_baseline.XlaProgram:
-  """XLA's own program for the site under `baseline` ("windowed" or "dense")."""
+  """XLA's own program for the site under `baseline` ("windowed" or "dense"). Windowed
+  einsum loops an all-gather or a reduce-scatter, never an all-reduce, so an all-reduce
+  site gets XLA's dense program either way."""
+  if problem.reduction == "all_reduce":
+    baseline = "dense"
   return xla_baseline.xla_seconds(problem, dataflow, profile, terms, baseline)
 
 
@@ -130,29 +153,71 @@ def leave_to_xla(best_seconds, best_is_collective, xla) -> bool:
   return best_seconds >= xla.seconds
 
 
-def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None):
-  """(algorithm, ksplit, predicted seconds, note) of the fastest candidate; the note
-  names the runner-up when it is within `NEAR_TIE` (a decision on a thin margin).
+class Choice(typing.NamedTuple):
+  """What `choose` picked: the plan, its predicted seconds and a note. When no candidate
+  fits the chip's memory, algorithm, ksplit and seconds are None and note says why
+  ("no plan fits HBM: ...")."""
+
+  algorithm: str | None
+  ksplit: int | None
+  seconds: float | None
+  note: str
+
+
+# Prefix of the reason a site is left alone with when none of its plans fits HBM.
+NO_PLAN_FITS = "no plan fits HBM"
+
+
+def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Choice:
+  """The fastest candidate that fits the chip's memory (`costmodel.why_too_big` with the
+  profile's HBM capacity; a profile without one excludes nothing), as a `Choice`. The
+  note names the runner-up when it is within `NEAR_TIE` (a decision on a thin margin)
+  and the candidates excluded for memory. None when no candidate can run the problem.
 
   `ksplits` are the slice counts the site's geometry can realise exactly; the cost
-  model is asked only about those."""
-  ranked = []
+  model is asked only about those.
+
+  Example:
+    >>> from meshslice.costmodel import GemmProblem, load_profile
+    >>> p = GemmProblem(m=524288, n=81920, k=20480, rows=2, cols=128)   # 40 GiB unsliced
+    >>> pick = choose(p, load_profile("tpu-v4"), "ls", algorithms=AUTO_ALGORITHMS,
+    ...               ksplits=(1, 2, 4, 16))
+    >>> pick.algorithm, pick.ksplit
+    ('meshslice', 16)
+    >>> pick.note.split("; ")[-1]                       # doctest: +NORMALIZE_WHITESPACE
+    'excluded for memory: collective S=1 needs 40.4 GiB per chip (input shards 92.5 MiB,
+     output and buffers 40.3 GiB), 32.0 GiB free of 32.0 GiB HBM (+1 more)'
+  """
+  # meshslice with one slice emits the collective algorithm: not a different plan
+  same = lambda a, k: ("collective", 1) if a == "meshslice" and k == 1 else (a, k)
+  ranked, too_big = [], {}
   for algorithm in algorithms:
     for ksplit in ((1,) if algorithm == "collective" else ksplits):
       if costmodel.why_invalid(problem, algorithm, dataflow, ksplit):
         continue
+      why = costmodel.why_too_big(problem, algorithm, dataflow, ksplit, profile)
+      if why:
+        too_big.setdefault(same(algorithm, ksplit), why)
+        continue
       ranked.append((predict(problem, profile, algorithm, dataflow, ksplit, terms),
                      len(ranked), algorithm, ksplit))
+  if not ranked and too_big:
+    # the plan nearest to fitting says how far off the site is
+    (algorithm, ksplit), why = min(too_big.items(), key=lambda item: costmodel.site_peak_bytes(
+        problem, item[0][0], dataflow, item[0][1]))
+    return Choice(None, None, None, f"{NO_PLAN_FITS}: {algorithm} S={ksplit} {why}")
   if not ranked:
     return None
   ranked.sort()   # ties keep candidate order: the simpler algorithm, the smaller ksplit
   (best, _, algorithm, ksplit), *rest = ranked
-  note = ""
-  # meshslice with one slice emits the collective algorithm: not a different plan
-  same = lambda a, k: ("collective", 1) if a == "meshslice" and k == 1 else (a, k)
+  notes = []
   rest = [r for r in rest if same(r[2], r[3]) != same(algorithm, ksplit)]
   if rest and best > 0 and rest[0][0] / best - 1 < NEAR_TIE:
     _, _, other, other_k = rest[0]
-    note = (f"near tie: {other} S={other_k} predicted within "
-            f"{(rest[0][0] / best - 1) * 100:.1f}%")
-  return algorithm, ksplit, best, note
+    notes.append(f"near tie: {other} S={other_k} predicted within "
+                 f"{(rest[0][0] / best - 1) * 100:.1f}%")
+  if too_big:
+    (first, first_k), why = next(iter(too_big.items()))
+    more = f" (+{len(too_big) - 1} more)" if len(too_big) > 1 else ""
+    notes.append(f"excluded for memory: {first} S={first_k} {why}{more}")
+  return Choice(algorithm, ksplit, best, "; ".join(notes))

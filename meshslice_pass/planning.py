@@ -1,13 +1,15 @@
 """Planning: one `Site` per dot_general of the program, rewritten or left alone (with why).
 
-The plan is a pure function of (program, mesh shape, options): no timing, no host state,
-so every process of a multi-host job emits the same program.
+The plan is a pure function of (program, mesh shape, options; for a concrete mesh also
+which mesh axes cross TPU slices): no timing, no host state, so every process of a
+multi-host job emits the same program.
 
 Unless the user pins them, algorithm and ksplit come from the cost model
 (`meshslice.costmodel`, profile option): among the slice counts S for which block-cyclic
 slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_ksplit, with
-blocks of at least min_block elements, the fastest predicted plan wins; ties go to the
-collective algorithm and the smaller S. On a profile with TPU compiler terms every plan
+blocks of at least min_block elements, the fastest predicted plan that fits the chip's
+HBM (`costmodel.why_too_big`) wins; ties go to the collective algorithm and the smaller
+S. When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile with TPU compiler terms every plan
 is priced as compiled (`costmodel.xla_baseline`), and the winner must beat XLA's own
 program for the site (option xla_baseline): otherwise the site is left alone, its
 reason naming both predicted times.
@@ -17,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
+
+from meshslice import costmodel
 
 from meshslice import rewrites
 from meshslice.rewrites import GemmGeometry
@@ -65,6 +70,8 @@ class Site:
   geometry: GemmGeometry | None = dataclasses.field(default=None, repr=False, compare=False)
   specs: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
   problem: object = dataclasses.field(default=None, repr=False, compare=False)
+  # the hardware profile the site was priced with (`costing.site_profile`)
+  profile: object = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def label(self) -> str:
@@ -73,11 +80,25 @@ class Site:
 
 @dataclasses.dataclass(frozen=True)
 class Context:
+  """What planning knows besides the program: the mesh's axis sizes, the options, and
+  the mesh itself when it is concrete (its devices say which axes cross TPU slices; an
+  AbstractMesh, or None, plans as one slice)."""
+
   axis_sizes: dict
   options: object
+  mesh: object = dataclasses.field(default=None, compare=False)
   # Decisions by everything a decision depends on: the layers of an unrolled model repeat
   # the same sites, and planning is pure, so each distinct site is planned once.
   decided: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+def _devices(ctx):
+  """The concrete mesh's device grid, or None (no mesh, or an AbstractMesh)."""
+  return ctx.mesh.devices if isinstance(ctx.mesh, jax.sharding.Mesh) else None
+
+
+def _profile(ctx, geometry):
+  return costing.site_profile(ctx.options.profile, geometry, ctx.axis_sizes, _devices(ctx))
 
 
 def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
@@ -221,12 +242,13 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   plan = functools.partial(_plan_match, eqn, ctx, base, request, dimension_numbers,
                            lhs.aval, rhs.aval, out.aval)
   site = plan(match, lhs_spec, rhs_spec)
-  if not site.rewritten:
+  # a site none of whose plans fits HBM may still fit in another dataflow
+  if not site.rewritten and not site.reason.startswith(costing.NO_PLAN_FITS):
     return site
   # Other dataflows with the same output layout, after resharding an operand: the cost
   # model picks the dataflow per site (e.g. LS for a matmul whose input is wider than its
   # output), or the user pinned one the current layouts do not give.
-  options = [site] if pinned in (None, site.dataflow) else []
+  options = [site] if site.rewritten and pinned in (None, site.dataflow) else []
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):
@@ -241,15 +263,18 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
     extra = sum(costing.reshard_seconds(aval.shape, aval.dtype, b, ctx.axis_sizes,
                                         ctx.options.profile) for _, _, b, aval in moved)
     how = ", ".join(f"{name} {S.describe(a)} -> {S.describe(b)}" for name, a, b, _ in moved)
+    own = (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
+           else f"as {site.dataflow}: {site.reason}")
     options.append(dataclasses.replace(
         candidate, predicted_seconds=candidate.predicted_seconds + extra,
         baseline_seconds=site.baseline_seconds,
         lhs_spec=S.describe(alt_lhs), rhs_spec=S.describe(alt_rhs),
         note=_join(candidate.note, f"{alt.dataflow} instead of {site.dataflow}: reshards "
                                    f"{how} first (~{extra * 1e6:.0f} us, included); "
-                                   f"{site.predicted_seconds * 1e6:.1f} us as "
-                                   f"{site.dataflow}")))
+                                   f"{own}")))
   if not options:
+    if not site.rewritten and pinned in (None, site.dataflow):
+      return site     # no plan fits HBM, in any dataflow
     raise ValueError(
         f"dataflow={pinned!r} cannot serve site #{index} ({base['source']}): its operand "
         f"layouts allow {', '.join(sorted({m.dataflow for m in found.matches}))}, and no reshard "
@@ -275,16 +300,23 @@ def _versus_xla(best, site, ctx, request, base):
   pinned = (request.algorithm, request.ksplit, request.dataflow) != (None, None, None)
   if mode == "none" or pinned or request.rewrite is True:
     return best
-  profile = costing.site_profile(ctx.options.profile, site.geometry, ctx.axis_sizes)
+  profile = _profile(ctx, site.geometry)
   xla = costing.xla_program(site.problem, profile, costing.model_dataflow(site.dataflow),
                             mode, ctx.options.compiler_terms)
   collective = best.algorithm == "collective" or best.ksplit == 1
+  flow = costing.model_dataflow(site.dataflow)
+  too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
+                                                          profile)
+  if too_big:
+    # XLA's dense program holds what the collective plan holds: no more a choice than it
+    return dataclasses.replace(best, note=_join(
+        best.note, f"XLA's own program ({xla.description}) does not fit HBM either"))
   if not costing.leave_to_xla(best.predicted_seconds, collective, xla):
     return dataclasses.replace(best, note=_join(
         best.note, f"XLA's own program ({xla.description}): {xla.seconds * 1e6:.1f} us"))
   plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
   return Site(rewritten=False, predicted_seconds=xla.seconds,
-              baseline_seconds=site.baseline_seconds,
+              baseline_seconds=site.baseline_seconds, profile=profile,
               reason=(f"XLA's own program is predicted at least as fast: "
                       f"{xla.description} {xla.seconds * 1e6:.1f} us vs the best rewrite "
                       f"({plan}) {best.predicted_seconds * 1e6:.1f} us"),
@@ -322,7 +354,7 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
         f"communicated extent {match.global_extent} is not divisible by "
         f"{'the axis size' if len(mesh_axes) == 1 else 'lcm(R, C)'} = {geometry.lcm}"),
         **base, **decided)
-  profile = costing.site_profile(ctx.options.profile, geometry, ctx.axis_sizes)
+  profile = _profile(ctx, geometry)
   problem = costing.problem_for(geometry, lhs.shape, rhs.shape, lhs_spec, rhs_spec,
                                 lhs.dtype, out.dtype, ctx.axis_sizes, profile)
   flow = costing.model_dataflow(match.dataflow)
@@ -330,13 +362,16 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
   baseline = costing.predict(problem, profile, "collective", flow, 1, terms)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
               baseline_seconds=baseline, predicted_seconds=baseline, problem=problem,
-              **base, **decided)
+              profile=profile, **base, **decided)
   algorithm, note = _choose_algorithm(geometry, request, site)
   site = dataclasses.replace(site, note=_join(site.note, note))
   if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):
     algorithm = algorithm or "meshslice"
     ksplit, note = _requested_ksplit(algorithm, geometry, request, site)
     seconds = costing.predict(problem, profile, algorithm, flow, ksplit, terms)
+    # a pinned plan is the user's call: kept, but said when it will not fit
+    too_big = costmodel.why_too_big(problem, algorithm, flow, ksplit, profile)
+    note = _join(note, too_big and f"the requested plan does not fit HBM: {too_big}")
   else:
     # the cost model picks among the slice counts this site can realise exactly
     ksplits = tuple(k for k in geometry.valid_ksplits() if k <= ctx.options.max_ksplit
@@ -344,6 +379,9 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
     algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
         algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms)
+    if algorithm is None:     # every candidate is too big for the chip
+      return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
+                                 block=None, predicted_seconds=None, reason=note)
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              predicted_seconds=seconds, note=_join(site.note, note))
