@@ -9,10 +9,10 @@ Unless the user pins them, algorithm and ksplit come from the cost model
 slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_ksplit, with
 blocks of at least min_block elements, the fastest predicted plan that fits the chip's
 HBM (`costmodel.why_too_big`) wins; ties go to the collective algorithm and the smaller
-S. When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile with TPU compiler terms every plan
-is priced as compiled (`costmodel.xla_baseline`), and the winner must beat XLA's own
-program for the site (option xla_baseline): otherwise the site is left alone, its
-reason naming both predicted times.
+S. When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile
+with TPU compiler terms every plan is priced as compiled (`costmodel.xla_baseline`), and
+the winner must beat XLA's own program for the site (option xla_baseline): otherwise
+the site is left alone, its reason naming both predicted times.
 """
 from __future__ import annotations
 
@@ -22,9 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from meshslice import costmodel
-
-from meshslice import rewrites
+from meshslice import costmodel, rewrites
 from meshslice.rewrites import GemmGeometry
 
 from . import analysis as A
@@ -301,10 +299,9 @@ def _versus_xla(best, site, ctx, request, base):
   if mode == "none" or pinned or request.rewrite is True:
     return best
   profile = _profile(ctx, site.geometry)
-  xla = costing.xla_program(site.problem, profile, costing.model_dataflow(site.dataflow),
-                            mode, ctx.options.compiler_terms)
-  collective = best.algorithm == "collective" or best.ksplit == 1
   flow = costing.model_dataflow(site.dataflow)
+  xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms)
+  collective = best.algorithm == "collective" or best.ksplit == 1
   too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
                                                           profile)
   if too_big:
