@@ -74,7 +74,9 @@ class Report:
     schedules = []
     for s in self.rewritten:
       label = f"#{s.index} {s.algorithm} {s.dataflow} S={s.ksplit} ({s.source})"
-      profile = site_profile(self.hardware, s.geometry, self.mesh_shape)
+      # the planner's own (it saw the mesh's devices: slices, DCN); recomputed only for
+      # sites made elsewhere
+      profile = s.profile or site_profile(self.hardware, s.geometry, self.mesh_shape)
       schedules.append((label, costmodel.schedule(s.problem, s.algorithm,
                                                   model_dataflow(s.dataflow), s.ksplit,
                                                   profile)))
