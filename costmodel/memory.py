@@ -58,8 +58,9 @@ def site_memory(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int
       cannon      per moved matrix 2 chunks of shard / S (in use, arriving)
       wang        ring axis: 2 chunks of shard / S; other axis: as collective
 
-  The output is the Y shard (batch * m/R * n/C) at out_bytes, or at 4 bytes when the
-  schedule accumulates in float32 (os sliced, cannon, a reduce-scatter ring).
+  The output is the Y shard (batch * m/R * n/C; the whole Y on an all-reduce site) at
+  out_bytes, or at 4 bytes when the schedule accumulates in float32 (os sliced, cannon, a
+  reduce-scatter ring).
 
   Raises:
     ValueError: the plan cannot run the problem (`why_invalid`).
@@ -76,6 +77,8 @@ def site_memory(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int
     raise ValueError(reason)
   mv = _movements(problem, dataflow)
   y_shard = problem.batch * problem.m / problem.rows * problem.n / problem.cols
+  if problem.reduction == "all_reduce":     # the psum leaves Y whole on every device
+    y_shard *= problem.rows
   accumulate = ((algorithm in ("meshslice", "summa") and dataflow == "os" and ksplit > 1)
                 or algorithm == "cannon")
   buffers = 0.0

@@ -977,3 +977,14 @@ def test_accumulate_fields_validate(tmp_path):
   path.write_text(json.dumps(data))
   with pytest.raises(ValueError, match="field 'accumulate_fused' must be true or false"):
     load_profile(path)
+
+
+def test_all_reduce_site_keeps_the_whole_output():
+  from meshslice.costmodel.memory import site_memory
+  kw = dict(m=8192, n=4096, k=4096, size=8)
+  whole_y = 8192 * 4096 * 2
+  scatter = GemmProblem.one_d(collective="reduce_scatter", **kw)
+  reduce = GemmProblem.one_d(collective="all_reduce", **kw)
+  # collective: the partial Y whole before the reduction, plus the result kept
+  assert site_memory(scatter, "collective", "rs", 1) == whole_y + whole_y / 8
+  assert site_memory(reduce, "collective", "rs", 1) == whole_y + whole_y
