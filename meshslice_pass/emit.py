@@ -1,10 +1,17 @@
-"""Emission: an interpreter that re-binds every equation of the traced program, replacing
+"""Emission: an interpreter that re-stages every equation of the traced program, replacing
 planned dot_generals with shard_map calls built from `meshslice.rewrites`.
 
 Sub-jaxprs that contain a rewritten site (jit, scan, while, cond, remat, custom_jvp/vjp
 bodies) are re-traced through the same interpreter and the higher-order primitive is
-re-bound with the new body; sub-jaxprs without sites are re-bound untouched. Existing
+re-bound with the new body; sub-jaxprs without sites are kept untouched. Existing
 shard_maps are left as they are.
+
+What is cheap to re-use is re-used (issue 11 item 8: the pass must cost well under the
+plain lowering): equations whose inputs keep their types are staged as they are rather
+than re-bound; sites with the same plan and operand types share one traced shard_map,
+copied into the program at each site; a sub-jaxpr object that JAX shares between calls
+(every block of an unrolled `jax.checkpoint` model) is rewritten once per distinct set of
+plans inside it.
 """
 from __future__ import annotations
 
