@@ -104,7 +104,8 @@ class Transformed:
     analysis = A.analyze(closed, in_specs, out_specs, A.Context(axis_sizes=axis_sizes))
     clock.lap("analysis")
     sites = planning.plan_program(
-        closed, analysis, planning.Context(axis_sizes=axis_sizes, options=self._options))
+        closed, analysis,
+        planning.Context(axis_sizes=axis_sizes, options=self._options, mesh=mesh))
     clock.lap("planning")
     if self._options.plan is not None:
       self._options.plan.check_matches(sites, axis_sizes)

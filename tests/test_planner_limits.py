@@ -116,6 +116,25 @@ def test_an_axis_crossing_slices_is_priced_at_dcn_bandwidth(dcn_shape, crossing)
   assert _plan_on(two_slices, relayout=False, compiler_terms=False) == (site,)
 
 
+@pytest.mark.skipif(not aot.have_libtpu(), reason="needs libtpu")
+def test_explain_prices_a_multislice_mesh_with_its_devices():
+  """meshslice.explain hands planning the concrete mesh: the axis crossing two slices is
+  priced over DCN there, as by planning directly."""
+  from jax.experimental import mesh_utils
+  devices = aot.topology("v4:2x2x2", num_slices=2).devices
+  grid = mesh_utils.create_hybrid_device_mesh((2, 4), (2, 1), devices)
+  two_slices = jax.sharding.Mesh(grid, ("x", "y"))
+  arg = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16,
+                             sharding=NamedSharding(two_slices, P("x", "y")))
+  options = dict(relayout=False, compiler_terms=False)
+  site, = meshslice.explain(jax.jit(lambda a, b: a @ b), **options)(arg, arg).sites
+  direct, = _plan_on(two_slices, **options)
+  assert site.profile.name == "tpu-v4@4x4/2slices"
+  assert site.profile.all_gather.bandwidth[0] == V4.topology.dcn_bandwidth
+  assert (site.algorithm, site.ksplit, site.predicted_seconds) == (
+      direct.algorithm, direct.ksplit, direct.predicted_seconds)
+
+
 # ----------------------------------------------------------------------------- all-reduce
 
 def _row_parallel():
