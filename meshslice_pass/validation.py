@@ -90,23 +90,17 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
   out_shape = ([lhs_shape[d] for d in lb] + [lhs_shape[d] for d in lf]
                + [rhs_shape[d] for d in rf])
   if scatter:
-    d = geometry.out_dim
-    if d is None or not len(lb) <= d < len(out):
-      return f"the rewrite scatters output dim {d}, which is not a free dim"
-    within = out_shape[d] // _size(out[d], axis_sizes)
-    if within != geometry.global_extent:
-      return (f"communicated extent {geometry.global_extent} is not the size {within} of "
-              f"output dim {d} within one shard of its other axes")
-    out[d] = out[d] + (scatter,)
+    reason = _free_dim_reason(geometry, len(lb), out, out_shape, axis_sizes, "scatters",
+                              "communicated extent")
+    if reason:
+      return reason
+    out[geometry.out_dim] = out[geometry.out_dim] + (scatter,)
   if psummed:
     # the psum keeps the layout; out_dim is only cut into slices, locally
-    d = geometry.out_dim
-    if d is None or not len(lb) <= d < len(out):
-      return f"the rewrite slices output dim {d}, which is not a free dim"
-    within = out_shape[d] // _size(out[d], axis_sizes)
-    if within != geometry.global_extent:
-      return (f"sliced extent {geometry.global_extent} is not the size {within} of output "
-              f"dim {d} within one shard of its axes")
+    reason = _free_dim_reason(geometry, len(lb), out, out_shape, axis_sizes, "slices",
+                              "sliced extent")
+    if reason:
+      return reason
   if tuple(out) != tuple(out_spec):
     return (f"the rewrite would produce output layout {tuple(out)}, not the declared "
             f"{tuple(out_spec)}")
@@ -129,6 +123,20 @@ def _communication(geometry):
   if g.dataflow == "ls":
     return [("rhs", g.rhs_dim, g.row_axis)], g.col_axis
   return [("lhs", g.lhs_dim, g.col_axis)], g.row_axis
+
+
+def _free_dim_reason(geometry, n_batch, out, out_shape, axis_sizes, verb, extent) -> str:
+  """Why output dim `geometry.out_dim` cannot be the one the rewrite scatters / slices:
+  it must be a free (non-batch) dim whose extent within one shard of its other axes is
+  the geometry's global extent. "" when it can."""
+  d = geometry.out_dim
+  if d is None or not n_batch <= d < len(out):
+    return f"the rewrite {verb} output dim {d}, which is not a free dim"
+  within = out_shape[d] // _size(out[d], axis_sizes)
+  if within != geometry.global_extent:
+    return (f"{extent} {geometry.global_extent} is not the size {within} of output dim "
+            f"{d} within one shard of its {'other ' if verb == 'scatters' else ''}axes")
+  return ""
 
 
 def _size(axes, axis_sizes) -> int:
