@@ -24,7 +24,9 @@ Figures per variant (per device, one step; loops times their trip counts):
   coll GB        bytes one device sends in collectives (ring formulas, tpu_schedule)
   WE loops       windowed-einsum loops (XLA's collective matmul)
   step ms        simulated step: compiler cycles at the chip clock, collectives from the
-                 profile's ICI model, async ones overlapping what runs between start/done
+                 profile's ICI model with links derived for the mesh from the topology
+                 (as the planner prices sites), async ones overlapping what runs between
+                 start/done
   exposed ms     step ms - compute ms
   peak GiB       arguments + outputs + temps - aliased (compiled.memory_analysis())
   compile s      compile time on this machine
@@ -91,7 +93,8 @@ def _worker(spec: dict) -> dict:
     os.makedirs(spec["save_hlo"], exist_ok=True)
     with open(os.path.join(spec["save_hlo"], name.replace(":", "-") + ".hlo"), "w") as f:
       f.write(compiled.as_text())
-  record.update(aot.analyze(compiled, gen.profile, compile_s=seconds).row())
+  record.update(aot.analyze(compiled, gen.profile, compile_s=seconds,
+                            mesh_shape=spec["mesh"]).row())
   return record
 
 

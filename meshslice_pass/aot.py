@@ -286,16 +286,28 @@ class AotResult:
             "sync_collectives": s.sync_collectives, "async_collectives": s.async_collectives,
             "windowed_einsum_loops": s.windowed_einsum_loops,
             "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
+            "ici_profile": sim.profile,
             "peak_bytes": self.peak_bytes, "temp_bytes": self.temp_bytes,
             "compile_s": self.compile_s, "flags": self.flags}
 
 
-def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0) -> AotResult:
-  """Read a compiled TPU program: schedule summary, simulated step, peak memory."""
-  from .costmodel import tpu_schedule
+def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
+            mesh_shape=None) -> AotResult:
+  """Read a compiled TPU program: schedule summary, simulated step, peak memory.
+
+  mesh_shape: the mesh's axis sizes (row, col). Given, the simulator times collectives
+    with the profile's links derived for that mesh from its topology
+    (`costmodel.profile_for_mesh`): the ICI model the planner prices sites with. None:
+    the profile's own two dims (for tpu-v4, the original's measured constants).
+
+  Example:
+    >>> aot.analyze(compiled, "tpu-v4", mesh_shape=(32, 8)).simulation.step_s  # doctest: +SKIP
+  """
+  from .costmodel import profile_for_mesh, tpu_schedule
   from .costmodel.profiles import load_profile
-  prof = load_profile(profile)
-  schedule = tpu_schedule.read_schedule(compiled.as_text(), chip=prof.name)
+  base = load_profile(profile)
+  prof = base if mesh_shape is None else profile_for_mesh(base, tuple(mesh_shape))
+  schedule = tpu_schedule.read_schedule(compiled.as_text(), chip=base.name)
   mem = compiled.memory_analysis()
   peak = temp = 0
   if mem is not None:
@@ -303,7 +315,9 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0) -> Aot
     peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
   return AotResult(summary=tpu_schedule.summarize(schedule),
-                   simulation=tpu_schedule.simulate(schedule, prof), peak_bytes=peak,
+                   simulation=tpu_schedule.simulate(
+                       schedule, prof, clock_hz=tpu_schedule.CLOCK_HZ.get(base.name)),
+                   peak_bytes=peak,
                    temp_bytes=temp, compile_s=compile_s,
                    flags=os.environ.get("LIBTPU_INIT_ARGS", ""))
 
@@ -338,7 +352,8 @@ def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = 
                        f"meshslice.transform options, got {options!r}")
     candidate = fn if options is None else transform(fn, **{"profile": profile, **options})
     compiled, seconds = compile(candidate, *args, mesh=mesh)
-    out[name] = analyze(compiled, profile, compile_s=seconds)
+    out[name] = analyze(compiled, profile, compile_s=seconds,
+                        mesh_shape=mesh.devices.shape if mesh.devices.ndim == 2 else None)
   return out
 
 
@@ -395,7 +410,8 @@ def compare(model: str, topology_name_: str, mesh_shape, *, layers: int = 1,
     else:
       raise ValueError(f"variant must be 'plain' or 'meshslice', got {variant!r}")
     compiled, seconds = compile(fn, params, data, mesh=mesh)
-    out[variant] = analyze(compiled, options["profile"], compile_s=seconds)
+    out[variant] = analyze(compiled, options["profile"], compile_s=seconds,
+                           mesh_shape=mesh_shape)
     del compiled
   return out
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshslice import aot
+from meshslice.costmodel import load_profile, profile_for_mesh
 from meshslice.costmodel import tpu_schedule as ts
 
 US = 1e-6
@@ -301,6 +302,15 @@ def test_aot_compile_of_a_rewritten_matmul_on_v4():
   schedule = ts.read_schedule(compiled.as_text())
   dots = [op for op in schedule.expanded() if op.kind == "dot"]
   assert len(dots) >= 2 and all(op.cycles_source == "compiler" for op in dots)
+  # with the mesh, collectives are timed with the links the planner derives for it
+  derived = aot.analyze(compiled, "tpu-v4", mesh_shape=(2, 4))
+  mesh_profile = profile_for_mesh(load_profile("tpu-v4"), (2, 4))
+  assert derived.simulation.profile == mesh_profile.name != "tpu-v4"
+  assert derived.row()["ici_profile"] == mesh_profile.name
+  assert derived.simulation.compute_s == rewritten.simulation.compute_s
+  assert derived.simulation.collective_s == pytest.approx(sum(
+      ts.collective_seconds(op, mesh_profile) for op in schedule.expanded()
+      if op.kind in ("collective", "start")))
 
 
 _ASYNC_SCRIPT = """
