@@ -24,11 +24,10 @@ Flags are read once per process, so each flag set compiles in a subprocess.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from absl import app, flags
+
+import cluster  # noqa: E402  (bench/cluster.py: the subprocess runner)
 
 _TOPOLOGY = flags.DEFINE_string("topology", "v4:2x2x2", "TPU topology to compile for")
 _MESH = flags.DEFINE_string("mesh", "2x4", "mesh shape RxC (axes x, y)")
@@ -120,17 +119,10 @@ def predictions(flow, m, k, n) -> dict:
 
 
 def _run_worker(flag_set: str) -> list[dict]:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
   # absl strips parsed flags from argv: pass this run's values on explicitly
   passed = [f"--topology={_TOPOLOGY.value}", f"--mesh={_MESH.value}",
             f"--gemms={','.join(_GEMMS.value)}", f"--profile={_PROFILE.value}"]
-  done = subprocess.run([sys.executable, __file__, f"--worker={flag_set}", *passed],
-                        capture_output=True, text=True, env=env)
-  lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
-  if done.returncode or not lines:
-    raise RuntimeError(f"{flag_set} worker failed:\n{done.stderr[-3000:]}")
-  return [json.loads(l) for l in lines]
+  return cluster.run_json_worker(__file__, [f"--worker={flag_set}", *passed])
 
 
 def main(argv):

@@ -5,6 +5,9 @@ Each app does `import cluster` (bench/ is on sys.path when it runs as a script) 
 calls `cluster.start()` first thing in `main`.
 """
 import json
+import os
+import subprocess
+import sys
 
 import jax
 from absl import flags
@@ -39,3 +42,18 @@ def write_jsonl(path, records):
     for r in records:
       f.write(json.dumps(r, sort_keys=True) + "\n")
   print(f"{len(records)} records written to {path}")
+
+
+def run_json_worker(script: str, args) -> list:
+  """Run `script` with `args` in a fresh Python process (libtpu reads its flags once per
+  process, so each flag set compiles in its own) and return the JSON objects it prints,
+  one per line. XLA_FLAGS is not passed on (it would ask a TPU compile for CPU devices)."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                        env=env)
+  lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+  if done.returncode or not lines:
+    raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n"
+                       f"{done.stderr[-3000:]}")
+  return [json.loads(l) for l in lines]

@@ -16,9 +16,6 @@ cycles to the dense program's.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from absl import app, flags
 
@@ -93,15 +90,12 @@ def compile_variants(flag_set: str) -> list[dict]:
   return records
 
 
-def _run_worker(flag_set: str, argv: list[str]) -> list[dict]:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, __file__, f"--worker={flag_set}", *argv[1:]],
-                       capture_output=True, text=True, env=env)
-  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-  if out.returncode or not lines:
-    raise RuntimeError(f"{flag_set} worker failed:\n{out.stderr[-3000:]}")
-  return [json.loads(l) for l in lines]
+def _run_worker(flag_set: str) -> list[dict]:
+  # absl strips parsed flags from argv: pass this run's values on explicitly
+  passed = [f"--topology={_TOPOLOGY.value}", f"--mesh={_MESH.value}",
+            f"--size={','.join(_SIZE.value)}", f"--ksplits={','.join(_KSPLITS.value)}",
+            f"--dataflows={','.join(_DATAFLOWS.value)}", f"--dtype={_DTYPE.value}"]
+  return cluster.run_json_worker(__file__, [f"--worker={flag_set}", *passed])
 
 
 def main(argv):
@@ -112,7 +106,7 @@ def main(argv):
   from meshslice import aot
   if not aot.have_libtpu():
     raise app.UsageError("needs libtpu: pip install -e '.[tpu]'")
-  records = _run_worker("dense", argv) + _run_worker("async", argv)
+  records = _run_worker("dense") + _run_worker("async")
   dense = {r["dataflow"]: r["compute_cycles"] for r in records if r["program"] == "dense"}
   print(f"{'x'.join(_SIZE.value)} {_DTYPE.value} GEMM on {_TOPOLOGY.value} as {_MESH.value}; "
         "estimated cycles (compiler), ratio = compute / dense")
