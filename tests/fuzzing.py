@@ -431,6 +431,11 @@ def run_dot_case(case: DotCase, compare_plain: bool = False) -> Outcome:
     if not gspmd_wrong and not all(e[2] for e in against_plain):
       problems.append("transformed disagrees with plain jit: "
                       + _fmt_errors(against_plain, names))
+    if gspmd_wrong and all(e[2] for e in against_plain):
+      # plain jit is off the reference too (bf16 sums in another order, or GSPMD itself)
+      # and the transformed program computes what plain jit does: nothing for the pass
+      # to answer for
+      errs = [(e[0], e[1], True) for e in errs]
   left = tuple(normalize_reason(s.reason) for s in report.left_alone)
   base = dict(case=case, rewritten=len(report.rewritten), left_alone=left,
               gspmd_wrong=gspmd_wrong)
