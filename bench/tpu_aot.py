@@ -121,7 +121,10 @@ def _mesh_for(model: str, chips: int, profile: str):
     if int(count) == chips:
       return tuple(int(v) for v in shape.split("x"))
   from meshslice.costmodel.autotune import recommend_mesh
-  return recommend_mesh(chips, model=model, profile=profile).best_shape
+  # the memory check counts the layers this bench compiles, not the whole model's (which
+  # need not fit, e.g. all of GPT-3 on 64 chips)
+  return recommend_mesh(chips, model=model, profile=profile,
+                        memory_layers=_LAYERS.value).best_shape
 
 
 COLUMNS = ("model", "chips", "topology", "mesh", "variant", "compute Mcyc", "dot Mcyc",
