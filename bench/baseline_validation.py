@@ -127,12 +127,9 @@ def _run_worker(flag_set: str) -> list[dict]:
 
 def main(argv):
   if _WORKER.value:
-    for record in compile_and_simulate(_WORKER.value):
-      print(json.dumps(record))
+    cluster.print_json_lines(compile_and_simulate(_WORKER.value))
     return
-  from meshslice import aot
-  if not aot.have_libtpu():
-    raise app.UsageError("needs libtpu: pip install -e '.[tpu]'")
+  cluster.require_libtpu()
   records = _run_worker("default") + _run_worker("dense")
   us = lambda s: f"{s * 1e6:8.1f}"
   print(f"{_TOPOLOGY.value} as {_MESH.value}, profile {_PROFILE.value} per axis; us")

@@ -57,3 +57,17 @@ def run_json_worker(script: str, args) -> list:
     raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n"
                        f"{done.stderr[-3000:]}")
   return [json.loads(l) for l in lines]
+
+
+def print_json_lines(records) -> None:
+  """A worker's answer to `run_json_worker`: one JSON object per line on stdout."""
+  for record in records:
+    print(json.dumps(record), flush=True)
+
+
+def require_libtpu() -> None:
+  """Stop with a usage error when libtpu (the TPU compiler) is not installed."""
+  from absl import app
+  from meshslice import aot
+  if not aot.have_libtpu():
+    raise app.UsageError("needs libtpu: pip install -e '.[tpu]'")

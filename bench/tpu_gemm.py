@@ -15,8 +15,6 @@ cycles to the dense program's.
 """
 from __future__ import annotations
 
-import json
-
 from absl import app, flags
 
 import cluster  # noqa: E402  (bench/cluster.py: the JSON-lines writer)
@@ -100,12 +98,9 @@ def _run_worker(flag_set: str) -> list[dict]:
 
 def main(argv):
   if _WORKER.value:
-    for record in compile_variants(_WORKER.value):
-      print(json.dumps(record))
+    cluster.print_json_lines(compile_variants(_WORKER.value))
     return
-  from meshslice import aot
-  if not aot.have_libtpu():
-    raise app.UsageError("needs libtpu: pip install -e '.[tpu]'")
+  cluster.require_libtpu()
   records = _run_worker("dense") + _run_worker("async")
   dense = {r["dataflow"]: r["compute_cycles"] for r in records if r["program"] == "dense"}
   print(f"{'x'.join(_SIZE.value)} {_DTYPE.value} GEMM on {_TOPOLOGY.value} as {_MESH.value}; "
