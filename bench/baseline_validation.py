@@ -119,10 +119,8 @@ def predictions(flow, m, k, n) -> dict:
 
 
 def _run_worker(flag_set: str) -> list[dict]:
-  # absl strips parsed flags from argv: pass this run's values on explicitly
-  passed = [f"--topology={_TOPOLOGY.value}", f"--mesh={_MESH.value}",
-            f"--gemms={','.join(_GEMMS.value)}", f"--profile={_PROFILE.value}"]
-  return cluster.run_json_worker(__file__, [f"--worker={flag_set}", *passed])
+  return cluster.run_flag_set(__file__, flag_set, topology=_TOPOLOGY.value, mesh=_MESH.value,
+                              gemms=_GEMMS.value, profile=_PROFILE.value)
 
 
 def main(argv):

@@ -44,6 +44,16 @@ def write_jsonl(path, records):
   print(f"{len(records)} records written to {path}")
 
 
+def run_flag_set(script: str, flag_set: str, **flag_values) -> list:
+  """`run_json_worker(script, ["--worker=flag_set", "--name=value", ...])`: absl strips
+  the flags it parsed from argv, so a worker gets this run's values passed explicitly
+  (lists joined with commas)."""
+  args = [f"--worker={flag_set}"] + [
+      f"--{name}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+      for name, v in flag_values.items()]
+  return run_json_worker(script, args)
+
+
 def run_json_worker(script: str, args) -> list:
   """Run `script` with `args` in a fresh Python process (libtpu reads its flags once per
   process, so each flag set compiles in its own) and return the JSON objects it prints,

@@ -89,11 +89,9 @@ def compile_variants(flag_set: str) -> list[dict]:
 
 
 def _run_worker(flag_set: str) -> list[dict]:
-  # absl strips parsed flags from argv: pass this run's values on explicitly
-  passed = [f"--topology={_TOPOLOGY.value}", f"--mesh={_MESH.value}",
-            f"--size={','.join(_SIZE.value)}", f"--ksplits={','.join(_KSPLITS.value)}",
-            f"--dataflows={','.join(_DATAFLOWS.value)}", f"--dtype={_DTYPE.value}"]
-  return cluster.run_json_worker(__file__, [f"--worker={flag_set}", *passed])
+  return cluster.run_flag_set(__file__, flag_set, topology=_TOPOLOGY.value, mesh=_MESH.value,
+                              size=_SIZE.value, ksplits=_KSPLITS.value,
+                              dataflows=_DATAFLOWS.value, dtype=_DTYPE.value)
 
 
 def main(argv):
