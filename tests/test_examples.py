@@ -60,3 +60,15 @@ def test_maxtext_style_step():
   assert "'data': 1, 'x': 2, 'y': 4" in out
   aot_line = next(l for l in out.splitlines() if l.startswith("aot: "))
   assert aot_line.startswith("aot: compiled for v4:2x2x2") or "libtpu not installed" in aot_line
+
+
+def test_flax_linen_fsdp_tensor():
+  out = _run("flax_linen_fsdp_tensor.py")
+  lines = out.splitlines()
+  assert lines[0] == ("51 matmuls: 0 sliced/overlapped, 39 plain collective, 12 left alone "
+                      "(12 no mesh axis shards a non-batch dim)")
+  # the weight gradients reduce-scattered onto the optimizer's (fsdp, tensor) layout
+  assert "   13  collective: 1d-scatter" in lines
+  assert lines[-3].startswith("forced ksplit=2: 51 matmuls: 39 sliced/overlapped")
+  assert lines[-2].startswith("meshslice.check: OK: 53 of 53 outputs agree")
+  assert lines[-1] == "OK"
