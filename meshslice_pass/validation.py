@@ -91,14 +91,14 @@ def site_reason(geometry, lhs_shape, rhs_shape, specs, axis_sizes: dict) -> str:
                + [rhs_shape[d] for d in rf])
   if scatter:
     reason = _free_dim_reason(geometry, len(lb), out, out_shape, axis_sizes, "scatters",
-                              "communicated extent")
+                              "communicated extent", "its other axes")
     if reason:
       return reason
     out[geometry.out_dim] = out[geometry.out_dim] + (scatter,)
   if psummed:
     # the psum keeps the layout; out_dim is only cut into slices, locally
     reason = _free_dim_reason(geometry, len(lb), out, out_shape, axis_sizes, "slices",
-                              "sliced extent")
+                              "sliced extent", "its axes")
     if reason:
       return reason
   if tuple(out) != tuple(out_spec):
@@ -125,7 +125,8 @@ def _communication(geometry):
   return [("lhs", g.lhs_dim, g.col_axis)], g.row_axis
 
 
-def _free_dim_reason(geometry, n_batch, out, out_shape, axis_sizes, verb, extent) -> str:
+def _free_dim_reason(geometry, n_batch, out, out_shape, axis_sizes, verb, extent,
+                     shard_of) -> str:
   """Why output dim `geometry.out_dim` cannot be the one the rewrite scatters / slices:
   it must be a free (non-batch) dim whose extent within one shard of its other axes is
   the geometry's global extent. "" when it can."""
@@ -135,7 +136,7 @@ def _free_dim_reason(geometry, n_batch, out, out_shape, axis_sizes, verb, extent
   within = out_shape[d] // _size(out[d], axis_sizes)
   if within != geometry.global_extent:
     return (f"{extent} {geometry.global_extent} is not the size {within} of output dim "
-            f"{d} within one shard of its {'other ' if verb == 'scatters' else ''}axes")
+            f"{d} within one shard of {shard_of}")
   return ""
 
 
