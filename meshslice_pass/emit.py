@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType, NamedSharding
 
-from meshslice.rewrites import build_body
+from meshslice.rewrites import GemmGeometry, build_body
+from meshslice.rewrites.slicing import not_before
 
 from . import specs as S
 from .analysis import sub_jaxprs
@@ -96,6 +97,8 @@ class Emitter:
     traced = self._traced.get(key)
     if traced is None:
       body = build_body(site.algorithm, site.geometry, site.ksplit)
+      if site.swapped:
+        body = _gathers_wait(body, site.geometry)
       in_specs = (S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec))
       mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
                              out_specs=S.to_partition_spec(out_spec))
@@ -139,6 +142,29 @@ class Emitter:
     # the original is kept in the value so that its id cannot be reused by another object
     self._bodies[key] = (closed_or_open, new)
     return new
+
+
+# Which operands a 2D dataflow communicates (gathers or passes around the ring).
+_MOVING = {"os": (True, True), "ls": (False, True), "rs": (True, False)}
+
+
+def _gathers_wait(body, geometry):
+  """`body` with each communicated operand held back until the other operand exists.
+
+  An operand that is ready early (a forward activation gathered for a weight gradient, a
+  weight) would otherwise have its collective hoisted far ahead of the matmul, and every
+  hoisted gathered copy stays live until then: measured on the unrolled demo step (CPU),
+  temp memory 1.27x plain jit's at 8 layers without this, 0.46x with it. Values are bit
+  for bit the same (`rewrites.slicing.not_before`)."""
+  if not isinstance(geometry, GemmGeometry):
+    return body
+  lhs_moves, rhs_moves = _MOVING[geometry.dataflow]
+
+  def held_back(lhs, rhs):
+    return body(not_before(lhs, rhs) if lhs_moves else lhs,
+                not_before(rhs, lhs) if rhs_moves else rhs)
+
+  return held_back
 
 
 def _plan_key(site):

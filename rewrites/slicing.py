@@ -111,6 +111,27 @@ ad.primitive_jvps[pipeline_barrier_p] = _barrier_jvp
 ad.primitive_transposes[pipeline_barrier_p] = _barrier_transpose
 
 
+def not_before(x, anchor):
+  """`x`, bit for bit, as a value XLA can only compute once `anchor` exists.
+
+  `x + z` where z is -0.0 computed from one element of `anchor` (x + -0.0 == x for every
+  x, signed zeros, infinities and NaNs included; z is -0.0 whatever that element holds).
+  Unlike a barrier, which the CPU compiler removes before scheduling, this is a data
+  dependence every backend keeps. The pass uses it so that the collective of an operand
+  whose value is ready early (a forward activation that a weight gradient gathers, a
+  weight that every layer gathers) is not scheduled long before its matmul can run: XLA
+  otherwise hoists such gathers, and each gathered copy stays live until its use.
+
+  >>> import numpy as np
+  >>> not_before(np.array([1.0, -0.0, np.inf]), np.array([np.nan])).tolist()
+  [1.0, -0.0, inf]
+  """
+  first = jnp.ravel(anchor)[:1]
+  zero = -jnp.abs(first * 0)                      # -0.0, or NaN if `first` is inf / NaN
+  zero = jnp.where(jnp.isnan(zero), -jnp.zeros_like(zero), zero)
+  return x + zero.astype(x.dtype)[0]
+
+
 def pipeline_barrier(values):
   """An optimization barrier over the pytree `values` (XLA may neither move work across
   it nor merge what is computed on either side), whose leaves may vary over different
