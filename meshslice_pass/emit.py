@@ -151,11 +151,12 @@ _MOVING = {"os": (True, True), "ls": (False, True), "rs": (True, False)}
 def _gathers_wait(body, geometry):
   """`body` with each communicated operand held back until the other operand exists.
 
-  An operand that is ready early (a forward activation gathered for a weight gradient, a
-  weight) would otherwise have its collective hoisted far ahead of the matmul, and every
-  hoisted gathered copy stays live until then: measured on the unrolled demo step (CPU),
-  temp memory 1.27x plain jit's at 8 layers without this, 0.46x with it. Values are bit
-  for bit the same (`rewrites.slicing.not_before`)."""
+  Used for weight gradients (swapped sites): the forward activation they gather is ready
+  long before the cotangent, and XLA would otherwise hoist its gather (and the
+  checkpointed recomputation) into the forward pass, each gathered copy live until its
+  backward. Measured on the unrolled demo step (CPU, 8 layers): temp memory 1.27x plain
+  jit's without this, 0.72x with it. Values are bit for bit the same
+  (`rewrites.slicing.not_before`)."""
   if not isinstance(geometry, GemmGeometry):
     return body
   lhs_moves, rhs_moves = _MOVING[geometry.dataflow]

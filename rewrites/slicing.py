@@ -117,10 +117,10 @@ def not_before(x, anchor):
   `x + z` where z is -0.0 computed from one element of `anchor` (x + -0.0 == x for every
   x, signed zeros, infinities and NaNs included; z is -0.0 whatever that element holds).
   Unlike a barrier, which the CPU compiler removes before scheduling, this is a data
-  dependence every backend keeps. The pass uses it so that the collective of an operand
-  whose value is ready early (a forward activation that a weight gradient gathers, a
-  weight that every layer gathers) is not scheduled long before its matmul can run: XLA
-  otherwise hoists such gathers, and each gathered copy stays live until its use.
+  dependence every backend keeps. The pass uses it so that a weight gradient's gather of
+  a forward activation, whose value is ready early, is not scheduled long before its
+  matmul can run: XLA otherwise hoists such gathers, and each gathered copy stays live
+  until its use.
 
   >>> import numpy as np
   >>> not_before(np.array([1.0, -0.0, np.inf]), np.array([np.nan])).tolist()
