@@ -209,10 +209,21 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Ch
   if not ranked:
     return None
   ranked.sort()   # ties keep candidate order: the simpler algorithm, the smaller ksplit
-  (best, _, algorithm, ksplit), *rest = ranked
+  fastest = ranked[0]
+  # Inside the model's error the simplest candidate wins (candidate order: collective,
+  # then fewer slices). Every extra slice costs the compiled program more than the model
+  # prices (cutting lane-dim slices, float32 partial-sum passes, thinner dots; measured
+  # on the TPU compiler, docs/tpu.md), so a predicted gain this small is not one.
+  simplest = min((r for r in ranked if r[0] <= fastest[0] * (1 + NEAR_TIE)),
+                 key=lambda r: r[1])
+  best, _, algorithm, ksplit = simplest
+  rest = [r for r in ranked if same(r[2], r[3]) != same(algorithm, ksplit)]
   notes = []
-  rest = [r for r in rest if same(r[2], r[3]) != same(algorithm, ksplit)]
-  if rest and best > 0 and rest[0][0] / best - 1 < NEAR_TIE:
+  if simplest is not fastest:
+    notes.append(f"fewer slices than {fastest[2]} S={fastest[3]} (predicted "
+                 f"{(best / fastest[0] - 1) * 100:.1f}% faster, within the model's "
+                 f"{NEAR_TIE:.0%} error)")
+  elif rest and best > 0 and rest[0][0] / best - 1 < NEAR_TIE:
     _, _, other, other_k = rest[0]
     notes.append(f"near tie: {other} S={other_k} predicted within "
                  f"{(rest[0][0] / best - 1) * 100:.1f}%")

@@ -7,9 +7,10 @@ multi-host job emits the same program.
 Unless the user pins them, algorithm and ksplit come from the cost model
 (`meshslice.costmodel`, profile option): among the slice counts S for which block-cyclic
 slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_ksplit, with
-blocks of at least min_block elements, the fastest predicted plan that fits the chip's
-HBM (`costmodel.why_too_big`) wins; ties go to the collective algorithm and the smaller
-S. When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile
+blocks of at least min_block elements, the plan that fits the chip's HBM
+(`costmodel.why_too_big`) with the fewest slices among those predicted within 2% (the
+model's error) of the fastest wins: collective before meshslice, smaller S before larger
+(each slice costs the compiled program more than the model prices). When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile
 with TPU compiler terms every plan is priced as compiled (`costmodel.xla_baseline`), and
 the winner must beat XLA's own program for the site (option xla_baseline): otherwise
 the site is left alone, its reason naming both predicted times.
