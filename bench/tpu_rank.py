@@ -126,9 +126,30 @@ def candidates(record_index, case, topology, mesh, ksplits):
   return out
 
 
+def planner_pick(case, mesh, site_prof, terms, ksplits) -> str:
+  """The candidate name the pass would run for `case`: `costing.choose` over collective
+  and meshslice (fewest slices within the model's error of the fastest), left to XLA's
+  windowed program when that is predicted faster (`costing.leave_to_xla`)."""
+  from meshslice import costing
+  from meshslice.costmodel import compiler_fit
+  problem = compiler_fit.problem_of({"m": case.m, "k": case.k, "n": case.n,
+                                     "mesh": list(mesh),
+                                     "dtype": case.dtype})
+  choice = costing.choose(problem, site_prof, case.dataflow, terms=terms,
+                          algorithms=costing.AUTO_ALGORITHMS,
+                          ksplits=tuple(k for k in ksplits if k > 1))
+  if choice is None or choice.algorithm is None:
+    return "xla"
+  xla = costing.xla_program(problem, site_prof, case.dataflow, "windowed", terms)
+  if costing.leave_to_xla(choice.seconds, choice.algorithm == "collective", xla):
+    return "xla"
+  return f"meshslice S={1 if choice.algorithm == 'collective' else choice.ksplit}"
+
+
 def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
   """The per-site table and the Spearman correlations, as text."""
   import numpy as np
+  from meshslice import costing
   from meshslice.costmodel import load_profile, profile_for_mesh, xla_baseline
   from meshslice.costmodel.calibrate import spearman
   index = {(r["dataflow"], r["m"], r["k"], r["n"], r["program"], r["flag_set"],
@@ -157,6 +178,21 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
       within[model].append(spearman(sim, pred[model]))
       chosen = int(np.argmin(pred[model]))
       picks[model].append(sim[chosen] / min(sim))
+  rule = []                  # what the planner would pick, by its own rule
+  for case in cases:
+    rows = candidates(index, case, topology, mesh, ksplits)
+    names = [name for name, _, _ in rows]
+    pick = planner_pick(case, mesh, site_prof, terms, ksplits)
+    if len(rows) >= 2 and pick in names:
+      sim = [t for _, t, _ in rows]
+      rule.append(sim[names.index(pick)] / min(sim))
+  if rule:
+    lines.append(
+        f"planner's rule (fewest slices within {costing.NEAR_TIE:.0%} of the fastest, "
+        f"then against XLA's windowed program): the simulated best on "
+        f"{sum(r == 1.0 for r in rule)} of {len(rule)} sites, "
+        f"{(np.mean(rule) - 1) * 100:.1f} % slower than it on average "
+        f"(worst {(max(rule) - 1) * 100:.1f} %)")
   for model in within:
     rho = spearman(pooled["sim"], pooled[model])
     per_site = [r for r in within[model] if r == r]
