@@ -10,6 +10,7 @@ bit for bit.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -53,14 +54,22 @@ def _loss(params, x, layers):
   return jnp.mean(jnp.square(x))
 
 
-def _setup(layers, hidden=64, ffn=256):
-  msh = mesh((2, 4))
+def _setup(layers, hidden=64, ffn=256, msh=None):
+  """The jitted unrolled step and its inputs on `msh` (default: the 8 CPU devices as
+  2x4, with values; a mesh of other devices gets abstract inputs)."""
+  msh = msh or mesh((2, 4))
   ws = NamedSharding(msh, P(None, "x", "y"))
   xs = NamedSharding(msh, P("x", None, "y"))
   keys = jax.random.split(jax.random.key(0), 3)
-  params = {"w1": jax.device_put(jax.random.normal(keys[0], (layers, hidden, ffn)) / 8, ws),
-            "w2": jax.device_put(jax.random.normal(keys[1], (layers, ffn, hidden)) / 16, ws)}
-  x = jax.device_put(jax.random.normal(keys[2], (8, 16, hidden)), xs)
+  params = {"w1": jax.random.normal(keys[0], (layers, hidden, ffn)) / 8,
+            "w2": jax.random.normal(keys[1], (layers, ffn, hidden)) / 16}
+  x = jax.random.normal(keys[2], (8, 16, hidden))
+  if msh.devices.flat[0].platform == "cpu":
+    params = {k: jax.device_put(v, ws) for k, v in params.items()}
+    x = jax.device_put(x, xs)
+  else:
+    params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=ws) for k, v in params.items()}
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=xs)
 
   def step(params, x):
     loss, grads = jax.value_and_grad(_loss)(params, x, layers)
@@ -98,6 +107,22 @@ def test_the_weight_gradient_gather_depends_on_the_cotangent():
   weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
   assert weight_grads and {s.dataflow for s in weight_grads} == {"rs"}
   assert _tied_gathers(fast, params, x) == len(weight_grads)
+
+
+def test_weight_gradients_are_not_tied_when_compiling_for_tpu():
+  """The tie pays on the CPU compiler only: on libtpu it cost temp memory and compute
+  (4 unrolled GPT-3 layers at 256 chips: 8,327 -> 9,082 MiB, 601 -> 612 Mcycles)."""
+  pytest.importorskip("libtpu")
+  from meshslice import aot
+  tpu_mesh = aot.make_mesh("v4:2x2x2", (2, 4))
+  assert emit.target_platform(tpu_mesh) == "tpu"
+  assert emit.target_platform(mesh((2, 4))) == "cpu"
+  jitted, params, x = _setup(layers=1, msh=tpu_mesh)
+  fast = meshslice.transform(jitted)
+  with jax.set_mesh(tpu_mesh):
+    weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
+    assert weight_grads and {s.dataflow for s in weight_grads} == {"rs"}
+    assert _tied_gathers(fast, params, x) == 0
 
 
 def test_weight_gradients_inside_a_scan_body_are_not_tied():
