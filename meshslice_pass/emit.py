@@ -19,6 +19,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 
 from meshslice.rewrites import GemmGeometry, build_body
+from meshslice.rewrites.platform import target_platform
 from meshslice.rewrites.slicing import not_before
 
 from . import specs as S
@@ -145,22 +146,6 @@ class Emitter:
     # the original is kept in the value so that its id cannot be reused by another object
     self._bodies[key] = (closed_or_open, new)
     return new
-
-
-def target_platform(mesh) -> str:
-  """The platform `mesh`'s program compiles for: its devices' ("tpu" for the compile-only
-  devices of an ahead-of-time TPU topology, see `meshslice.aot`), else the abstract
-  device's, else JAX's default backend.
-
-  >>> import jax
-  >>> target_platform(jax.make_mesh((1,), ("x",))) == jax.devices()[0].platform
-  True
-  """
-  try:
-    return mesh.devices.flat[0].platform
-  except (ValueError, AttributeError):      # an AbstractMesh has no devices
-    device = getattr(mesh, "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def _holds_gathers_back(site) -> bool:

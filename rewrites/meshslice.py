@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry
+from .platform import target_platform
 from .slicing import assemble_slices, pipeline_barrier, take_slices
 
 
@@ -30,7 +31,7 @@ def accumulation_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
 
 
 def _local_dot(geometry: GemmGeometry, lhs, rhs, dtype):
-  if (jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize > lhs.dtype.itemsize
+  if (target_platform() == "cpu" and jnp.dtype(dtype).itemsize > lhs.dtype.itemsize
       and jnp.issubdtype(lhs.dtype, jnp.floating)):
     # XLA's CPU runtime cannot run some bf16 x bf16 -> f32 dots ("Unsupported element
     # type for DotThunk"); widening the operands first computes the same products.

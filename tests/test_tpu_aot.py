@@ -386,3 +386,36 @@ def test_compare_candidates_hook_for_the_planner():
   with pytest.raises(ValueError, match="candidate 'bad': expected None"):
     aot.compare_candidates(f, x, x, mesh=mesh, candidates={"bad": 3})
 
+
+
+def _partial_dot_operand_dtypes(fn, *args):
+  """Operand dtypes of the dot_generals inside the shard_map bodies of fn's jaxpr."""
+  from meshslice import analysis
+  found = set()
+
+  def walk(jaxpr, inside):
+    for eqn in jaxpr.eqns:
+      if inside and eqn.primitive.name == "dot_general":
+        found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
+      if eqn.primitive.name == "shard_map":
+        walk(eqn.params["jaxpr"], True)
+      for _, sub in analysis.sub_jaxprs(eqn):
+        walk(sub, inside)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+  return found
+
+
+def test_bf16_partial_dots_are_widened_only_for_the_cpu_compiler():
+  """XLA's CPU runtime cannot run some bf16 x bf16 -> f32 dots, so on CPU meshes the
+  sliced OS site widens its operands; a program traced on this CPU host for TPU devices
+  must not (the target is the mesh's platform, not the host's backend)."""
+  pytest.importorskip("libtpu")
+  import meshslice
+  from helpers import mesh as cpu_mesh
+  for msh, want in ((aot.make_mesh("v4:2x2x2", (2, 4)), ("bfloat16", "bfloat16")),
+                    (cpu_mesh((2, 4)), ("float32", "float32"))):
+    f, x = _matmul(msh, n=256)
+    fast = meshslice.transform(f, algorithm="meshslice", ksplit=2)
+    with jax.set_mesh(msh):
+      assert _partial_dot_operand_dtypes(fast, x, x) == {want}, msh
