@@ -406,6 +406,7 @@ def _partial_dot_operand_dtypes(fn, *args):
   return found
 
 
+@pytest.mark.filterwarnings("ignore:.*sliced collectives overlap the matmuls on TPU only")
 def test_bf16_partial_dots_are_widened_only_for_the_cpu_compiler():
   """XLA's CPU runtime cannot run some bf16 x bf16 -> f32 dots, so on CPU meshes the
   sliced OS site widens its operands; a program traced on this CPU host for TPU devices
