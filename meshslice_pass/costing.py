@@ -169,10 +169,13 @@ NO_PLAN_FITS = "no plan fits HBM"
 
 
 def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Choice:
-  """The fastest candidate that fits the chip's memory (`costmodel.why_too_big` with the
-  profile's HBM capacity; a profile without one excludes nothing), as a `Choice`. The
-  note names the runner-up when it is within `NEAR_TIE` (a decision on a thin margin)
-  and the candidates excluded for memory. None when no candidate can run the problem.
+  """Among the candidates that fit the chip's memory (`costmodel.why_too_big` with the
+  profile's HBM capacity; a profile without one excludes nothing), the one with the
+  fewest slices (candidate order: collective, then meshslice by ascending ksplit) whose
+  predicted time is within `NEAR_TIE` of the fastest, as a `Choice`. The note says when
+  that overrode the fastest prediction, else names a runner-up within `NEAR_TIE` (a
+  decision on a thin margin), and the candidates excluded for memory. None when no
+  candidate can run the problem.
 
   `ksplits` are the slice counts the site's geometry can realise exactly; the cost
   model is asked only about those.
