@@ -185,8 +185,8 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Ch
     >>> p = GemmProblem(m=524288, n=81920, k=20480, rows=2, cols=128)   # 40 GiB unsliced
     >>> pick = choose(p, load_profile("tpu-v4"), "ls", algorithms=AUTO_ALGORITHMS,
     ...               ksplits=(1, 2, 4, 16))
-    >>> pick.algorithm, pick.ksplit
-    ('meshslice', 16)
+    >>> pick.algorithm, pick.ksplit      # S=16 is predicted 0.0% faster: inside the error
+    ('meshslice', 4)
     >>> pick.note.split("; ")[-1]                       # doctest: +NORMALIZE_WHITESPACE
     'excluded for memory: collective S=1 needs 40.4 GiB per chip (input shards 92.5 MiB,
      output and buffers 40.3 GiB), 32.0 GiB free of 32.0 GiB HBM (+1 more)'
