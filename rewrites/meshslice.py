@@ -12,7 +12,6 @@ cannot merge the S sliced collectives back into one.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
