@@ -100,15 +100,20 @@ def main(argv):
                profile=_PROFILE.value, ksplits=ksplits))
 
 
+def _problem(case, mesh):
+  """The case's GemmProblem, as the planner sees it."""
+  from meshslice.costmodel import compiler_fit
+  return compiler_fit.problem_of({"m": case.m, "k": case.k, "n": case.n,
+                                  "mesh": list(mesh), "dtype": case.dtype})
+
+
 def candidates(record_index, case, topology, mesh, ksplits):
   """[(candidate name, simulated seconds, predict(terms) -> seconds)] of one case that
   were compiled."""
   from meshslice import costing
-  from meshslice.costmodel import compiler_fit
   key = lambda program, flag_set: (case.dataflow, case.m, case.k, case.n, program, flag_set,
                                    topology, tuple(mesh))
-  problem = compiler_fit.problem_of({"m": case.m, "k": case.k, "n": case.n,
-                                     "mesh": list(mesh), "dtype": case.dtype})
+  problem = _problem(case, mesh)
   flow = case.dataflow
   out = []
   def add(name, program, flag_set, predict):
@@ -131,10 +136,7 @@ def planner_pick(case, mesh, site_prof, terms, ksplits) -> str:
   and meshslice (fewest slices within the model's error of the fastest), left to XLA's
   windowed program when that is predicted faster (`costing.leave_to_xla`)."""
   from meshslice import costing
-  from meshslice.costmodel import compiler_fit
-  problem = compiler_fit.problem_of({"m": case.m, "k": case.k, "n": case.n,
-                                     "mesh": list(mesh),
-                                     "dtype": case.dtype})
+  problem = _problem(case, mesh)
   choice = costing.choose(problem, site_prof, case.dataflow, terms=terms,
                           algorithms=costing.AUTO_ALGORITHMS,
                           ksplits=tuple(k for k in ksplits if k > 1))
@@ -162,6 +164,7 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
   pooled = {"sim": [], "terms": [], "analytic": []}
   within = {"terms": [], "analytic": []}
   picks = {"terms": [], "analytic": []}
+  rule = []                  # what the planner would pick, by its own rule
   for case in cases:
     rows = candidates(index, case, topology, mesh, ksplits)
     if len(rows) < 2:
@@ -178,13 +181,9 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
       within[model].append(spearman(sim, pred[model]))
       chosen = int(np.argmin(pred[model]))
       picks[model].append(sim[chosen] / min(sim))
-  rule = []                  # what the planner would pick, by its own rule
-  for case in cases:
-    rows = candidates(index, case, topology, mesh, ksplits)
     names = [name for name, _, _ in rows]
     pick = planner_pick(case, mesh, site_prof, terms, ksplits)
-    if len(rows) >= 2 and pick in names:
-      sim = [t for _, t, _ in rows]
+    if pick in names:
       rule.append(sim[names.index(pick)] / min(sim))
   if rule:
     lines.append(

@@ -55,7 +55,16 @@ class Emitter:
     self._below = {}
     for path, site in self.plans.items():
       for k in range(1, len(path)):
-        self._below.setdefault(path[:k], set()).add((path[k:], _plan_key(site)))
+        self._below.setdefault(path[:k], set()).add((path[k:], self._plan_key(site)))
+
+  def _ties(self, site) -> bool:
+    """Whether `site`'s gathers wait for its other operand (`_gathers_wait`)."""
+    return self.ties_gathers and _holds_gathers_back(site)
+
+  def _plan_key(self, site):
+    """What the emitted code of a planned site depends on besides its operand types."""
+    return (site.algorithm, site.geometry, site.ksplit, site.specs, site.swapped,
+            self._ties(site))
 
   def run(self, closed: ClosedJaxpr, *args):
     return self.eval(closed.jaxpr, closed.consts, args, ())
@@ -97,11 +106,11 @@ class Emitter:
       lhs, rhs = rhs, lhs
     # Sites with the same plan and operand types (Q/K/V projections, a checkpointed
     # block's recomputation) share one traced shard_map: tracing is the pass's main cost.
-    key = _plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs))
+    key = self._plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs))
     traced = self._traced.get(key)
     if traced is None:
       body = build_body(site.algorithm, site.geometry, site.ksplit)
-      if self.ties_gathers and _holds_gathers_back(site):
+      if self._ties(site):
         body = _gathers_wait(body, site.geometry)
       in_specs = (S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec))
       mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
@@ -186,10 +195,6 @@ def _gathers_wait(body, geometry):
   return held_back
 
 
-def _plan_key(site):
-  """What the emitted code of a planned site depends on besides its operand types."""
-  return (site.algorithm, site.geometry, site.ksplit, site.specs, site.swapped,
-          _holds_gathers_back(site))
 
 
 def _reshard_explicit(value, spec):

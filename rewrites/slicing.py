@@ -123,7 +123,8 @@ def not_before(x, anchor):
   until its use.
 
   >>> import numpy as np
-  >>> not_before(np.array([1.0, -0.0, np.inf], np.float32), np.array([np.nan], np.float32)).tolist()
+  >>> f32 = np.float32
+  >>> not_before(np.array([1.0, -0.0, np.inf], f32), np.array([np.nan], f32)).tolist()
   [1.0, -0.0, inf]
   """
   first = jnp.ravel(anchor)[:1]

@@ -35,3 +35,20 @@ def collective_counts(hlo_text):
       if f" {k}(" in rhs or f" {k}-start(" in rhs:
         kinds[k] += 1
   return kinds
+
+
+def shard_map_bodies(fn, *args):
+  """The jaxprs of the shard_map bodies in `fn`'s traced program, in program order,
+  sub-jaxprs (pjit, checkpoint, scan, ...) included."""
+  from meshslice import analysis
+  bodies = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "shard_map":
+        bodies.append(eqn.params["jaxpr"])
+      for _, sub in analysis.sub_jaxprs(eqn):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return bodies

@@ -15,11 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import analysis, emit
+from meshslice import emit
 from meshslice.rewrites.platform import target_platform
 from meshslice.rewrites.slicing import not_before
 
-from helpers import assert_trees_close, mesh
+from helpers import assert_trees_close, mesh, shard_map_bodies
 
 
 def test_not_before_returns_x_bit_for_bit_whatever_the_anchor_holds():
@@ -83,18 +83,8 @@ def _setup(layers, hidden=64, ffn=256, msh=None):
 
 def _tied_gathers(fast, params, x):
   """How many shard_map bodies gather their lhs only once their rhs exists."""
-  bodies = []
-
-  def collect(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "shard_map":
-        bodies.append(eqn.params["jaxpr"])
-      for _, sub in analysis.sub_jaxprs(eqn):
-        collect(sub)
-
-  collect(jax.make_jaxpr(fast)(params, x).jaxpr)
   tied = 0
-  for body in bodies:
+  for body in shard_map_bodies(fast, params, x):
     lhs, rhs = body.invars
     for eqn in body.eqns:
       if eqn.primitive.name == "all_gather" and _depends_on(body, eqn.invars[0], lhs):

@@ -390,20 +390,10 @@ def test_compare_candidates_hook_for_the_planner():
 
 def _partial_dot_operand_dtypes(fn, *args):
   """Operand dtypes of the dot_generals inside the shard_map bodies of fn's jaxpr."""
-  from meshslice import analysis
-  found = set()
-
-  def walk(jaxpr, inside):
-    for eqn in jaxpr.eqns:
-      if inside and eqn.primitive.name == "dot_general":
-        found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
-      if eqn.primitive.name == "shard_map":
-        walk(eqn.params["jaxpr"], True)
-      for _, sub in analysis.sub_jaxprs(eqn):
-        walk(sub, inside)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
-  return found
+  from helpers import shard_map_bodies
+  return {tuple(str(v.aval.dtype) for v in eqn.invars)
+          for body in shard_map_bodies(fn, *args) for eqn in body.eqns
+          if eqn.primitive.name == "dot_general"}
 
 
 @pytest.mark.filterwarnings("ignore:.*sliced collectives overlap the matmuls on TPU only")
