@@ -19,6 +19,10 @@ JAX, no compiles.
   allreduce_max_block  per dataflow, over sliced programs by block size: the largest
                  block up to which every program had an all-reduce in place of its
                  sliced reduce-scatters
+  last_allreduce_min_bytes  per dataflow and reduce-scatter group size, over the
+                 sliced programs above that block: the smallest partial sum (one
+                 slice's unscattered piece of Y per device) from which on every program
+                 had an all-reduce (its last slice's reduce-scatter converted)
   windowed       over "xla" programs under "async" where windowed einsum fired, next to
                  the same case's dense ("async_dense") program: the smallest ring size,
                  per dataflow the smallest windowed shard, the median dot-cycle ratio and
@@ -125,13 +129,17 @@ def fit_terms(records, profile: HardwareProfile, clock_hz: float, *,
                            fallback.async_fraction[flow][k]) for k in async_n}
   max_block = {flow: _allreduce_max_block([r for r in sliced if r["dataflow"] == flow])
                for flow in _FLOWS}
+  last_min = {flow: _last_allreduce_min_bytes(
+      [r for r in sliced if r["dataflow"] == flow and _block(r) > max_block[flow]])
+      for flow in _FLOWS}
   windowed = _fit_windowed(records, profile, clock_hz, fallback, notes)
   terms = CompilerTerms(dot_efficiency=round(efficiency, 4),
                         dot_fixed_s=round(fixed / clock_hz, 9),
                         extra_scale={k: round(v, 3) for k, v in extra.items()},
                         async_fraction={f: {k: round(v, 3) for k, v in d.items()}
                                         for f, d in fractions.items()},
-                        allreduce_max_block=max_block, source=source, **windowed)
+                        allreduce_max_block=max_block,
+                        last_allreduce_min_bytes=last_min, source=source, **windowed)
   return terms, notes
 
 
@@ -149,6 +157,27 @@ def _allreduce_max_block(sliced) -> float:
       break
     limit = _block(r)
   return limit
+
+
+def _last_allreduce_min_bytes(sliced) -> dict:
+  """{group size: the smallest partial-sum bytes from which on every program of that
+  reduce-scatter group size had an all-reduce} ({}: none had)."""
+  by_group = {}
+  for r in sliced:
+    scatter = [v for v in _movements(problem_of(r), r["dataflow"])
+               if v[0] == "reduce_scatter" and v[1] > 1]
+    if scatter:
+      _, size, _, shard = scatter[0]
+      converted = any("all-reduce" in r[side] for side in ("sync", "async"))
+      by_group.setdefault(str(size), []).append((shard / ksplit_of(r) * size, converted))
+  limits = {}
+  for group, seen in sorted(by_group.items()):
+    # largest first; at equal size a program that did not convert comes first
+    for partial, converted in sorted(seen, key=lambda v: (-v[0], v[1])):
+      if not converted:
+        break
+      limits[group] = partial
+  return limits
 
 
 def _fit_windowed(records, profile, clock_hz, fallback, notes) -> dict:

@@ -22,6 +22,13 @@ versioned section "compiler_terms":
                      extent / (S * lcm(R, C))) is at most this many elements compile as
                      synchronous all-reduces (twice the bytes; seen for ls, whose scatter
                      runs along the minor, 128-lane dim); 0: never seen
+  last_allreduce_min_bytes  per dataflow, {reduce-scatter group size (a string, as JSON
+                     keys are): bytes}: the *last* slice's reduce-scatter (the epilogue's,
+                     with no matmul left to overlap) compiles as a synchronous all-reduce
+                     when its group has that many devices and its partial sum (the
+                     slice's unscattered piece of Y per device: Y shard * group / S) is
+                     at least this many bytes (seen for rs over the 2-device axis of
+                     v4:2x2x2 as 2x4); a group size not listed: never seen
   windowed_min_ring  XLA's windowed einsum (collective matmul) fires when its ring axis
   windowed_min_bytes has at least this many devices and (per dataflow) the windowed
                      matrix's per-device shard at least this many bytes. XLA windows the
@@ -98,6 +105,8 @@ class CompilerTerms:
   windowed_out_s: dict
   windowed_ring_hidden: float
   source: str = ""
+  last_allreduce_min_bytes: dict = dataclasses.field(
+      default_factory=lambda: {flow: {} for flow in DATAFLOWS})
 
   def __post_init__(self):
     if not 0 < self.dot_efficiency <= 1:
@@ -113,6 +122,16 @@ class CompilerTerms:
         raise ValueError(f"{name} needs a value >= 0 for each of {DATAFLOWS}, got "
                          f"{values!r}")
     for flow in DATAFLOWS:
+      groups = self.last_allreduce_min_bytes.get(flow) if isinstance(
+          self.last_allreduce_min_bytes, dict) else None
+      if not isinstance(groups, dict) or any(
+          not str(g).isdigit() or int(g) < 2 or not isinstance(b, (int, float)) or b < 0
+          for g, b in groups.items()):
+        raise ValueError(f"last_allreduce_min_bytes[{flow!r}] needs {{group size >= 2: "
+                         f"bytes >= 0}}, got {groups!r}")
+      # JSON keys are strings: store them so, and a file round trip compares equal
+      self.last_allreduce_min_bytes[flow] = {str(int(g)): float(b)
+                                             for g, b in sorted(groups.items())}
       fractions = self.async_fraction.get(flow, {})
       if any(not 0 <= fractions.get(k, -1) <= 1 for k in _KINDS):
         raise ValueError(f"async_fraction[{flow!r}] needs {_KINDS} in [0, 1], got "
@@ -154,7 +173,11 @@ _TPU_V4 = CompilerTerms(
     windowed_dot_factor={"os": 2.957, "ls": 2.313, "rs": 2.128},
     windowed_out_s={"os": 4.092e-11, "ls": 2.4e-10, "rs": 2.397e-10},
     windowed_ring_hidden=0.0,
-    source="built-in: calibrate --aot v4:4x4x4 --mesh 8x8 (jax 0.10.2, libtpu 0.0.42.1)")
+    # v4:4x4x4 as 8x8 has no 2-device axis: fitted to aot_sites.compile_cases on
+    # v4:2x2x2 as 2x4 (ls, rs; n = 4096, 8192, 16384; S = 1, 2, 4; docs/tpu.md)
+    last_allreduce_min_bytes={"os": {}, "ls": {}, "rs": {"2": 16777216.0}},
+    source="built-in: calibrate --aot v4:4x4x4 --mesh 8x8, the last-slice all-reduce "
+           "from v4:2x2x2 --mesh 2x4 (jax 0.10.2, libtpu 0.0.42.1)")
 
 
 def builtin_terms(profile_name: str) -> CompilerTerms | None:
@@ -227,15 +250,21 @@ def compiled_seconds(problem: GemmProblem, algorithm: str, dataflow: str, ksplit
   flops = problem.flops / (problem.rows * problem.cols) / slices
   overlap = terms.async_fraction[dataflow]
   # sliced reduce-scatters on blocks too small for the compiler: synchronous all-reduces
-  as_all_reduce = None
+  as_all_reduce = last_as_all_reduce = None
   block = problem.extent(dataflow) / (slices * problem.lcm)
-  if slices > 1 and block <= terms.allreduce_max_block[dataflow]:
-    _, size, dim, shard = next((v for v in _movements(problem, dataflow)
-                                if v[0] == "reduce_scatter"), (None, 1, 0, 0.0))
-    if size > 1:
-      as_all_reduce = all_reduce_time(profile, dim, size, shard / slices * size)
+  _, size, dim, shard = next((v for v in _movements(problem, dataflow)
+                              if v[0] == "reduce_scatter"), (None, 1, 0, 0.0))
+  partial = shard / slices * size          # one slice's unscattered piece, per device
+  if slices > 1 and size > 1:
+    if block <= terms.allreduce_max_block[dataflow]:
+      as_all_reduce = all_reduce_time(profile, dim, size, partial)
+    elif partial >= terms.last_allreduce_min_bytes[dataflow].get(str(size), float("inf")):
+      last_as_all_reduce = all_reduce_time(profile, dim, size, partial)
+  # the epilogue: the last stage that reduce-scatters
+  last = max((i for i, st in enumerate(sched.stages)
+              if any(_kind(op.name) == "reduce_scatter" for op in st.ops)), default=-1)
   total = 0.0
-  for stage in sched.stages:
+  for i, stage in enumerate(sched.stages):
     compute = links_row = links_col = exposed = 0.0
     for op in stage.ops:
       if op.stream == "compute":
@@ -248,6 +277,8 @@ def compiled_seconds(problem: GemmProblem, algorithm: str, dataflow: str, ksplit
       seconds, kind = op.seconds, _kind(op.name)
       if kind == "reduce_scatter" and as_all_reduce is not None:
         seconds, hidden = as_all_reduce, 0.0
+      elif kind == "reduce_scatter" and i == last and last_as_all_reduce is not None:
+        seconds, hidden = last_as_all_reduce, 0.0
       else:
         hidden = overlap.get(kind, 0.0) if has_compute else 1.0
       exposed += seconds * (1 - hidden)

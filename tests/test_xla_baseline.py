@@ -96,6 +96,65 @@ def test_tiny_scatter_blocks_are_priced_as_all_reduces():
   assert seconds(128, 2) == seconds(0, 2)      # block 256
 
 
+def test_a_large_last_slice_scatter_over_two_devices_is_priced_as_an_all_reduce():
+  """libtpu compiles the epilogue's reduce-scatter of rs over the 2-device axis of
+  v4:2x2x2 as 2x4 as an all-reduce once its partial sum reaches 16 MiB (docs/tpu.md);
+  the term prices only that one, and only for its group size and above its size."""
+  p = GemmProblem(m=8192, n=8192, k=8192, rows=2, cols=4)   # rs partial: 16 MiB / S * 2
+  prof = profile_for_mesh(V4, (2, 4))
+  none = {"os": {}, "ls": {}, "rs": {}}
+  seconds = lambda limits, s, flow="rs": xla_baseline.compiled_seconds(
+      p, "collective" if s == 1 else "meshslice", flow, s, prof,
+      dataclasses.replace(TERMS, last_allreduce_min_bytes=limits))
+  at = lambda group, size: dict(none, rs={group: size})
+  mib = 2 ** 20
+  # S=2: partial 16 MiB -> one all-reduce in place of one reduce-scatter
+  slice_scatter = xla_baseline.collective_time(prof, "reduce_scatter", p.row_profile_dim,
+                                               2, 16 * mib / 2)
+  extra = (xla_baseline.all_reduce_time(prof, p.row_profile_dim, 2, 16 * mib)
+           - slice_scatter)
+  assert extra > 0
+  assert seconds(at("2", 16 * mib), 2) == pytest.approx(seconds(none, 2) + extra, rel=1e-9)
+  assert seconds(at("2", 16 * mib + 1), 2) == seconds(none, 2)    # below the size
+  assert seconds(at("4", 1), 2) == seconds(none, 2)               # another group size
+  assert seconds(at("2", 16 * mib), 4) == seconds(none, 4)        # partial 8 MiB
+  assert seconds(at("2", 1), 1) == seconds(none, 1)               # collective: unsliced
+  assert seconds(at("2", 1), 2, "os") == seconds(none, 2, "os")   # no reduce-scatter
+
+
+def test_the_builtin_terms_keep_the_8192_rs_gemm_on_two_by_four_off_two_slices():
+  """Compiled, rs S=2 simulates 2052.6 us against S=4's 1594.2 and dense 1920.4
+  (docs/tpu.md); with the term the planner's rule takes S=4, without it S=2."""
+  from meshslice import costing
+  p = GemmProblem(m=8192, n=8192, k=8192, rows=2, cols=4)
+  prof = profile_for_mesh(V4, (2, 4))
+  pick = lambda terms: costing.choose(p, prof, "rs", algorithms=("collective", "meshslice"),
+                                      ksplits=(1, 2, 4), terms=terms)
+  assert TERMS.last_allreduce_min_bytes["rs"] == {"2": 16 * 2 ** 20}
+  assert (pick(TERMS).algorithm, pick(TERMS).ksplit) == ("meshslice", 4)
+  without = dataclasses.replace(TERMS, last_allreduce_min_bytes={"os": {}, "ls": {}, "rs": {}})
+  assert (pick(without).algorithm, pick(without).ksplit) == ("meshslice", 2)
+
+
+def test_terms_reject_a_malformed_last_slice_limit_and_read_files_without_it(tmp_path):
+  with pytest.raises(ValueError, match=r"last_allreduce_min_bytes\['rs'\] needs \{group "
+                     r"size >= 2: bytes >= 0\}, got \{'1': 5\}"):
+    dataclasses.replace(TERMS, last_allreduce_min_bytes={"os": {}, "ls": {}, "rs": {"1": 5}})
+  with pytest.raises(ValueError, match=r"last_allreduce_min_bytes\['os'\] needs"):
+    dataclasses.replace(TERMS, last_allreduce_min_bytes={"ls": {}, "rs": {}})
+  # integer keys are stored as the strings a JSON file gives back
+  mine = dataclasses.replace(TERMS, last_allreduce_min_bytes={"os": {}, "ls": {}, "rs": {2: 9}})
+  path = tmp_path / "t.json"
+  xla_baseline.write_terms(path, V4, mine)
+  assert xla_baseline.read_terms(str(path)) == mine
+  # a file written before the term existed reads with none
+  data = json.loads(path.read_text())
+  del data["compiler_terms"]["last_allreduce_min_bytes"]
+  path.write_text(json.dumps(data))
+  assert xla_baseline.read_terms(str(path)).last_allreduce_min_bytes == {
+      "os": {}, "ls": {}, "rs": {}}
+
+
 def test_dense_xla_is_the_collective_rewrite_and_exposed_collectives_add():
   p = GemmProblem(m=65536, n=12288, k=12288, rows=8, cols=8)
   prof = profile_for_mesh(V4, (8, 8))
@@ -197,6 +256,23 @@ def test_fit_recovers_the_terms_that_made_synthetic_records():
   assert terms.allreduce_max_block == {"os": 0, "ls": 0, "rs": 0}
   assert terms.windowed_dot_factor == TERMS.windowed_dot_factor      # never fired
   assert any("never fired" in n or "fallback" in n for n in notes)
+
+
+def test_fit_finds_the_size_from_which_the_last_slice_scatter_converts():
+  """Sliced rs programs on 2x4 (group 2): those with a partial sum of 16 MiB or more
+  had an all-reduce (as libtpu compiled them), the smaller ones none."""
+  def record(n, s, converted, mesh=(2, 4)):
+    return {"dataflow": "rs", "m": n, "k": n, "n": n, "mesh": list(mesh),
+            "program": f"meshslice S={s}", "sync": {"all-reduce": 1} if converted else {},
+            "async": {}}
+  seen = [record(4096, 2, False), record(8192, 4, False), record(8192, 2, True),
+          record(16384, 4, True), record(16384, 2, True)]
+  assert compiler_fit._last_allreduce_min_bytes(seen) == {"2": 16 * 2 ** 20}
+  # a larger program that did not convert: no size from which on all did
+  assert compiler_fit._last_allreduce_min_bytes(seen + [record(32768, 4, False)]) == {}
+  # per group size: 4x2 scatters rs over 4 devices
+  assert compiler_fit._last_allreduce_min_bytes(
+      [record(8192, 2, False, (4, 2)), record(16384, 2, True, (4, 2))]) == {"4": 128 * 2 ** 20}
 
 
 @pytest.mark.skipif(not aot.have_libtpu(), reason="needs libtpu (pip install -e '.[tpu]')")
