@@ -70,11 +70,15 @@ class Transformed:
     static, dynamic = self._split(args, kwargs)
     leaves, tree = jax.tree.flatten(dynamic)
     # the mesh context changes the trace (explicit-mode types, the jit's ctx_mesh)
+    # Called with tracers, the program may be transformed further (vmap, grad): it is
+    # emitted without the CPU-only nesting of sites (`Emitter`), which JAX 0.10.2 cannot
+    # differentiate under vmap(spmd_axis_name=...).
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
     key = (_hashable(static), tree, tuple(_signature(x) for x in leaves),
-           jax.sharding.get_abstract_mesh())
+           jax.sharding.get_abstract_mesh(), traced)
     entry = self._cache.get(key)
     if entry is None:
-      entry = self._build(args, kwargs, leaves, tree)
+      entry = self._build(args, kwargs, leaves, tree, nest_sites=not traced)
       self._cache[key] = entry
     if entry.report.notes and not trace_state_clean() and not self._warned:
       self._warned = True
@@ -82,7 +86,7 @@ class Transformed:
                     stacklevel=3)
     return entry, leaves
 
-  def _build(self, args, kwargs, leaves, in_tree):
+  def _build(self, args, kwargs, leaves, in_tree, nest_sites):
     clock = _Clock()
     traced = self._jitted.trace(*args, **kwargs)
     clock.lap("trace")
@@ -119,7 +123,7 @@ class Transformed:
       # planned for a mesh that has no devices here (e.g. a 16x16 cluster from a laptop)
       return _Entry(jitted=None, in_tree=in_tree, out_tree=traced.out_tree, report=report,
                     abstract=True, timings=clock.times)
-    emitter = Emitter(sites, mesh)
+    emitter = Emitter(sites, mesh, nest_sites=nest_sites)
 
     def emitted(*flat):
       return tuple(emitter.run(closed, *flat))
