@@ -46,7 +46,7 @@ def test_sliced_sites_compile_as_one_conditional_each_with_the_same_values():
   assert_trees_close(new, one)
 
 
-def test_collective_sites_and_loop_bodies_are_not_nested():
+def test_collective_sites_are_not_nested_and_loop_bodies_are():
   jitted, params, x = _setup(layers=1)
   collective = meshslice.transform(jitted, algorithm="collective")
   assert _conditionals(collective, params, x) == 0
@@ -58,9 +58,13 @@ def test_collective_sites_and_loop_bodies_are_not_nested():
   step = jax.jit(jax.value_and_grad(scanned_loss),
                  in_shardings=(jax.tree.map(lambda a: a.sharding, params), x.sharding))
   fast = meshslice.transform(step, ksplit=2)
-  assert all(s.ksplit == 2 for s in fast.explain(params, x).rewritten)
-  assert _conditionals(fast, params, x) == 0
-  assert_trees_close(fast(params, x), step(params, x))
+  sites = fast.explain(params, x).rewritten
+  assert sites and all(s.ksplit == 2 and "scan" in s.context for s in sites)
+  assert 0 < _conditionals(fast, params, x) <= len(sites)   # XLA may merge equal sites
+  out = fast(params, x)
+  assert_trees_close(out, step(params, x))
+  host = jax.tree.map(np.asarray, params)
+  assert_trees_close(out, jax.jit(jax.value_and_grad(scanned_loss))(host, np.asarray(x)))
 
 
 def test_sites_compiled_for_tpu_are_not_nested():
