@@ -20,9 +20,11 @@ def _demo(argv) -> int:
                            "pipeline), or 'auto' to let the cost model choose: for these "
                            "CPU-sized matmuls it predicts that slicing does not pay")
   parser.add_argument("--profile", default="tpu-v4", help="hardware profile for the cost model")
-  parser.add_argument("--target", default="32x8",
+  parser.add_argument("--target", default="64x4",
                       help="mesh RxC of the pod to plan one GPT-3 layer for first (abstract "
-                           "inputs, nothing allocated), or 'none' to skip that part")
+                           "inputs, nothing allocated; default: the 256-chip mesh that "
+                           "`autotune --model gpt3 --chips 256` recommends), or 'none' to "
+                           "skip that part")
   args = parser.parse_args(argv)
   target = None
   if args.target.lower() != "none":

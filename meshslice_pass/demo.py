@@ -178,7 +178,7 @@ def abstract_inputs(cfg: ModelConfig, mesh):
   return typed(params, param_specs(row, col)), typed(batch, batch_specs(row, col))
 
 
-def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(32, 8), echo=print, **options):
+def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print, **options):
   """Plan `cfg`'s training step for a pod of prod(mesh_shape) chips from this machine
   and print the cost model's verdict. Returns the `Report`."""
   from .transform import explain
@@ -218,7 +218,7 @@ def _time(fn, args_fn, repeats):
 
 
 def run_demo(mesh_shape=(2, 4), dtype="float32", explicit=False, repeats=5, echo=print,
-             target=(32, 8), **options):
+             target=(64, 4), **options):
   """Plan at scale (`target` mesh, None to skip), then transform the small demo step,
   print the report, check it, time it. Returns the max relative error.
 
