@@ -165,6 +165,7 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
   within = {"terms": [], "analytic": []}
   picks = {"terms": [], "analytic": []}
   rule = []                  # what the planner would pick, by its own rule
+  versus_xla = []            # its pick against the better of XLA's two programs
   for case in cases:
     rows = candidates(index, case, topology, mesh, ksplits)
     if len(rows) < 2:
@@ -185,6 +186,9 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
     pick = planner_pick(case, mesh, site_prof, terms, ksplits)
     if pick in names:
       rule.append(sim[names.index(pick)] / min(sim))
+      xla = [t for name, t in zip(names, sim) if name in ("xla", "xla dense")]
+      if xla:
+        versus_xla.append(sim[names.index(pick)] / min(xla))
   if rule:
     lines.append(
         f"planner's rule (fewest slices within {costing.NEAR_TIE:.0%} of the fastest, "
@@ -192,6 +196,13 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
         f"{sum(r == 1.0 for r in rule)} of {len(rule)} sites, "
         f"{(np.mean(rule) - 1) * 100:.1f} % slower than it on average "
         f"(worst {(max(rule) - 1) * 100:.1f} %)")
+  if versus_xla:
+    slower = [r for r in versus_xla if r > 1.0]
+    lines.append(
+        f"planner's pick against the better of XLA's programs (windowed einsum on / off): "
+        f"slower on {len(slower)} of {len(versus_xla)} sites"
+        + (f" (worst +{(max(slower) - 1) * 100:.1f} %)" if slower else "")
+        + f", {(1 - np.mean(versus_xla)) * 100:.1f} % faster on average")
   for model in within:
     rho = spearman(pooled["sim"], pooled[model])
     per_site = [r for r in within[model] if r == r]

@@ -82,3 +82,5 @@ def test_tpu_rank_scores_the_planners_rule_against_the_fastest_prediction(tmp_pa
                    r"than it on average \(worst 0\.0 %\)", out), out
   assert re.search(r"terms: .* the simulated best on 1 of 2 sites, 5\.0 % slower than it "
                    r"on average \(worst 10\.0 %\)", out), out
+  assert re.search(r"planner's pick against the better of XLA's programs .*: slower on 0 of "
+                   r"2 sites, 50\.0 % faster on average", out), out
