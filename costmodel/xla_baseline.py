@@ -121,6 +121,7 @@ class CompilerTerms:
       if not isinstance(values, dict) or any(values.get(f, -1) < 0 for f in DATAFLOWS):
         raise ValueError(f"{name} needs a value >= 0 for each of {DATAFLOWS}, got "
                          f"{values!r}")
+    limits = {}
     for flow in DATAFLOWS:
       groups = self.last_allreduce_min_bytes.get(flow) if isinstance(
           self.last_allreduce_min_bytes, dict) else None
@@ -130,12 +131,13 @@ class CompilerTerms:
         raise ValueError(f"last_allreduce_min_bytes[{flow!r}] needs {{group size >= 2: "
                          f"bytes >= 0}}, got {groups!r}")
       # JSON keys are strings: store them so, and a file round trip compares equal
-      self.last_allreduce_min_bytes[flow] = {str(int(g)): float(b)
-                                             for g, b in sorted(groups.items())}
+      limits[flow] = {str(int(g)): float(b)
+                      for g, b in sorted(groups.items(), key=lambda gb: int(gb[0]))}
       fractions = self.async_fraction.get(flow, {})
       if any(not 0 <= fractions.get(k, -1) <= 1 for k in _KINDS):
         raise ValueError(f"async_fraction[{flow!r}] needs {_KINDS} in [0, 1], got "
                          f"{fractions!r}")
+    object.__setattr__(self, "last_allreduce_min_bytes", limits)   # frozen dataclass
 
   def to_json_dict(self) -> dict:
     return {"version": VERSION, **dataclasses.asdict(self)}

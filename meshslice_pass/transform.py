@@ -69,11 +69,11 @@ class Transformed:
   def _entry(self, args, kwargs):
     static, dynamic = self._split(args, kwargs)
     leaves, tree = jax.tree.flatten(dynamic)
-    # the mesh context changes the trace (explicit-mode types, the jit's ctx_mesh)
     # Called with tracers, the program may be transformed further (vmap, grad): it is
     # emitted without the CPU-only nesting of sites (`Emitter`), which JAX 0.10.2 cannot
     # differentiate under vmap(spmd_axis_name=...).
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+    # the mesh context changes the trace (explicit-mode types, the jit's ctx_mesh)
     key = (_hashable(static), tree, tuple(_signature(x) for x in leaves),
            jax.sharding.get_abstract_mesh(), traced)
     entry = self._cache.get(key)
