@@ -11,7 +11,7 @@ import jax
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype
+from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
 from .slicing import pipeline_barrier
 from .wang import shift
 
@@ -114,7 +114,7 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
   ls: a = row, b = col (W moves); rs: a = col, b = row (X moves)."""
   r = g.row_size
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
   if moving_is_lhs:
     moving, move_dim, a_axis, b_axis = lhs, g.lhs_dim, g.col_axis, g.row_axis
     to_grid = lambda a, b: (b, a)          # (a, b) -> (row, col)
@@ -149,7 +149,7 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
       for (pc, final, _), v in zip(sent, received):
         (done if final else accs)[pc] = v
       total = part if t == 0 else accs[c].astype(part.dtype) + part
-      pending = [(c, total.astype(out_dtype), last)]
+      pending = [(c, total.astype(wire_dtype), last)]
   for pc, v, _ in pending:     # the last chunk's unskew is the epilogue
     done[pc] = permute(v, lambda a, b: (a, b + a - 1))
   out = done[0] if ksplit == 1 else jnp.concatenate(done, axis=g.out_dim)

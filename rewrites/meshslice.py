@@ -29,6 +29,18 @@ def accumulation_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
   return out
 
 
+def reduction_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
+  """The dtype partial sums are summed across devices in: the output dtype, as XLA's
+  own program sums them on TPU; on CPU the accumulation dtype, because XLA's CPU
+  compiler sums bf16 / f16 partials in float32 (it promotes those all-reduces and keeps
+  the dot's float32 result unrounded until then). Rounding the partials first made bf16
+  results drift from plain jit's on CPU (a cancelling loss off by 22 %)."""
+  out = jnp.dtype(geometry.out_dtype or jnp.result_type(lhs_dtype, rhs_dtype))
+  if target_platform() == "cpu":
+    return jnp.promote_types(out, accumulation_dtype(geometry, lhs_dtype, rhs_dtype))
+  return out
+
+
 def _local_dot(geometry: GemmGeometry, lhs, rhs, dtype):
   if (target_platform() == "cpu" and jnp.dtype(dtype).itemsize > lhs.dtype.itemsize
       and jnp.issubdtype(lhs.dtype, jnp.floating)):
@@ -41,10 +53,10 @@ def _local_dot(geometry: GemmGeometry, lhs, rhs, dtype):
 
 def _finish(geometry: GemmGeometry, out, lhs, rhs):
   out_dtype = geometry.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype)
-  out = out.astype(out_dtype)
   if geometry.reduce_axes:
-    out = lax.psum(out, geometry.reduce_axes)
-  return out
+    out = lax.psum(out.astype(reduction_dtype(geometry, lhs.dtype, rhs.dtype)),
+                   geometry.reduce_axes)
+  return out.astype(out_dtype)
 
 
 def build_meshslice(geometry: GemmGeometry, ksplit: int):
@@ -128,7 +140,7 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   """ls (rhs moves over row, partials scatter over col) and rs (lhs moves over col,
   partials scatter over row) are the same loop with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype)
+  wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
   if moving_is_lhs:
     moving, move_dim, gather_axis, scatter_axis = lhs, g.lhs_dim, g.col_axis, g.row_axis
   else:
@@ -139,7 +151,7 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
 
   def multiply(m_slice):
     a, b = (m_slice, rhs) if moving_is_lhs else (lhs, m_slice)
-    return _local_dot(g, a, b, acc_dtype).astype(out_dtype)
+    return _local_dot(g, a, b, acc_dtype).astype(wire_dtype)
 
   def scatter(partial):
     return lax.psum_scatter(partial, scatter_axis, scatter_dimension=g.out_dim, tiled=True)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import OneDGeometry, extent_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype
+from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
 from .slicing import assemble_slices, pipeline_barrier, take_slice
 from .wang import ring_all_gather, ring_reduce_scatter
 
@@ -186,7 +186,9 @@ def _sliced_all_reduce(g: OneDGeometry, ksplit, block, lhs, rhs):
   the psum of slice s runs beside the matmul of slice s+1. Every slice is summed over all
   the axes splitting the contraction at once, so nothing is left for `_finish` to sum."""
   axes = (g.axis,) + tuple(g.reduce_axes)
-  return _pipelined_reduction(g, ksplit, block, lhs, rhs, lambda part: lax.psum(part, axes))
+  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  return _pipelined_reduction(g, ksplit, block, lhs, rhs,
+                              lambda part: lax.psum(part, axes)).astype(out_dtype)
 
 
 def _pipelined_reduction(g: OneDGeometry, ksplit, block, lhs, rhs, reduce):
@@ -194,12 +196,12 @@ def _pipelined_reduction(g: OneDGeometry, ksplit, block, lhs, rhs, reduce):
   the matmul of slice s+1; the reduced slices reassembled into the local output."""
   which, dim = _source(g, lhs.ndim, rhs.ndim)
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
 
   def multiply(src, s):
     piece = take_slice(src, dim, ksplit, block, s)
-    # reduced in the output dtype, as the unsliced program's collective is
-    return _multiply(g, which, piece, lhs, rhs, acc_dtype).astype(out_dtype)
+    # reduced in the dtype the unsliced program's collective sums in
+    return _multiply(g, which, piece, lhs, rhs, acc_dtype).astype(wire_dtype)
 
   src, pieces, pending = lhs if which == "lhs" else rhs, [], None
   for s in range(ksplit):
@@ -237,7 +239,7 @@ def _ring_gather(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
 def _ring_scatter(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
   which, dim = _source(g, lhs.ndim, rhs.ndim)
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
   source = lhs if which == "lhs" else rhs
 
   def produce(start, size):
@@ -245,5 +247,5 @@ def _ring_scatter(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
     return _multiply(g, which, piece, lhs, rhs, acc_dtype)
 
   out = ring_reduce_scatter(produce, g.axis, g.axis_size, g.global_extent // g.axis_size,
-                            g.out_dim, ksplit, bidirectional, out_dtype)
+                            g.out_dim, ksplit, bidirectional, wire_dtype)
   return _finish(g, out, lhs, rhs)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype
+from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
 
 
 def unsupported(geometry: GemmGeometry, ksplit: int = 1) -> str:
@@ -121,7 +121,7 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
   """ls (W broadcast over row, sums reduced over col) and rs (X broadcast over col, sums
   reduced over row): the same loop with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
   if moving_is_lhs:
     moving, move_dim = lhs, g.lhs_dim
     gather_axis, gather_n, scatter_axis, scatter_n = g.col_axis, g.col_size, g.row_axis, g.row_size
@@ -144,7 +144,7 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
 
   def multiply(cur):
     a, b = (cur, rhs) if moving_is_lhs else (lhs, cur)
-    return _local_dot(g, a, b, acc_dtype).astype(out_dtype)
+    return _local_dot(g, a, b, acc_dtype).astype(wire_dtype)
 
   def compute(q, cur, state):
     pending, out = state
@@ -157,7 +157,7 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
 
   first = fetch(0)
   a, b = (first, rhs) if moving_is_lhs else (lhs, first)
-  part = _zeros_of_product(g, a, b, out_dtype)
+  part = _zeros_of_product(g, a, b, wire_dtype)
   shape = list(part.shape)
   shape[g.out_dim] *= panels // scatter_n
   state = (part, jnp.zeros_like(part, shape=shape))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype
+from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
 from .slicing import pipeline_barrier
 
 RINGS = ("row", "col")
@@ -187,7 +187,7 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
   """ls (rhs gathered over row, partials scattered over col) and rs (lhs gathered over
   col, partials scattered over row): the same code with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
   if moving_is_lhs:
     moving, move_dim = lhs, g.lhs_dim
     gather = ("col", g.col_axis, g.col_size)
@@ -203,7 +203,7 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
 
   if which == gather[0]:   # all-gather ring, then the plain reduce-scatter
     def consume(buf, piece, start):
-      part = multiply(piece).astype(out_dtype)
+      part = multiply(piece).astype(wire_dtype)
       if buf is None:
         shape = list(part.shape)
         shape[g.out_dim] = g.global_extent
@@ -221,5 +221,5 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
       return multiply(lax.dynamic_slice_in_dim(full, start, size, axis=move_dim))
 
     out = ring_reduce_scatter(produce, scatter[1], scatter[2], g.global_extent // scatter[2],
-                              g.out_dim, ksplit, bidirectional, out_dtype)
+                              g.out_dim, ksplit, bidirectional, wire_dtype)
   return _finish(g, out, lhs, rhs)

@@ -106,17 +106,39 @@ def test_batch_and_multi_contracting_dims(algorithm, dataflow):
   assert_trees_close(f(x, w), _reference("batched")(x, w))
 
 
+def _sends(f, *args):
+  """The element types of the collective_permutes in `f`'s lowered program."""
+  return [l.rstrip().rsplit("x", 1)[-1] for l in f.lower(*args).as_text().splitlines()
+          if "collective_permute" in l]
+
+
 @pytest.mark.parametrize("algorithm,dataflow", [("cannon", "ls"), ("wang", "rs")])
-def test_bf16_partial_sums_travel_in_bf16(algorithm, dataflow):
+def test_bf16_partial_sums_travel_in_the_dtype_the_target_sums_in(algorithm, dataflow):
+  """On CPU, partial sums travel in float32: XLA's CPU compiler sums bf16 partials in
+  float32 too (plain jit's all-reduces are promoted), so the values match plain jit's.
+  For TPU they travel in bf16, as XLA's TPU program sums them."""
   options = dict(ring="row") if algorithm == "wang" else {}     # a reduce-scatter ring
   f = _fn(algorithm, "plain", dataflow, (2, 2), 1, dtype=jnp.bfloat16, **options)
   x, w = _operands("plain", DIMS, jnp.bfloat16)
   out = f(x, w)
   assert out.dtype == jnp.bfloat16
-  # The emitted program sends bf16 (XLA's CPU backend then widens its collectives to f32).
-  sends = [l for l in f.lower(x, w).as_text().splitlines() if "collective_permute" in l]
-  assert sends and all(l.rstrip().endswith("bf16>") for l in sends)
+  sends = _sends(f, x, w)           # the moving operand's blocks stay bf16
+  assert "f32>" in sends and set(sends) <= {"f32>", "bf16>"}
   assert_trees_close(out, jnp.dot(x, w, preferred_element_type=jnp.float32), jnp.bfloat16)
+  pytest.importorskip("libtpu")
+  from meshslice import aot
+  tpu_mesh = aot.make_mesh("v4:2x2x1", (2, 2))
+  spec = PROBLEMS["plain"]
+  lhs_spec, rhs_spec, _ = spec[dataflow]
+  g = _geometry("plain", dataflow, (2, 2), DIMS, jnp.bfloat16)
+  on_tpu = jax.jit(jax.shard_map(build_body(algorithm, g, 1, **options), mesh=tpu_mesh,
+                                 in_specs=(lhs_spec, rhs_spec), out_specs=spec["out"]))
+  abstract = [jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                   sharding=jax.sharding.NamedSharding(tpu_mesh, s))
+              for v, s in ((x, lhs_spec), (w, rhs_spec))]
+  with jax.set_mesh(tpu_mesh):
+    tpu_sends = _sends(on_tpu, *abstract)
+  assert tpu_sends and set(tpu_sends) == {"bf16>"}
 
 
 def _counts(f, problem="plain"):
