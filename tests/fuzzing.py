@@ -464,7 +464,10 @@ T = 16   # tokens: rows of the activations h[T, D]
 @dataclasses.dataclass(frozen=True)
 class ProgramCase:
   """A small differentiated program: h[T, D] goes through `ops`; the step returns
-  loss = sum(sin(h)) and its gradients w.r.t. every weight and the input.
+  loss = sum(exp(sin(h))) and its gradients w.r.t. every weight and the input. (Every
+  term is positive, so the loss's relative error is bounded by its terms': a sum of
+  sines cancels, and reassociation alone put it 2e-4 to 5e-3 off the reference, plain
+  jit's as much as the transformed program's.)
 
   ops (h is [T, D] between ops):
     ("dense", w, w_transposed, h_transposed, out)  h @ W (W stored [D', D] when
@@ -664,7 +667,7 @@ def _program_fn(case: ProgramCase, mesh):
              "affine": lambda v: 1.5 * v + 0.25}[op[1]](h)
       elif kind == "wsc":
         h = constrain(h, op[1])
-    return jnp.sum(jnp.sin(h.astype(jnp.float32)))
+    return jnp.sum(jnp.exp(jnp.sin(h.astype(jnp.float32))))
 
   def step(weights, x):
     return jax.value_and_grad(loss, argnums=(0, 1))(weights, x)
