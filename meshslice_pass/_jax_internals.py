@@ -12,12 +12,17 @@ import sys
 import sysconfig
 
 from jax._src import api_util as _api_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.named_sharding import UnspecifiedValue as _UnspecifiedValue
 
-ClosedJaxpr = _core.ClosedJaxpr
+# compat shim (jax >= 0.12): ClosedJaxpr was merged into Jaxpr, which now carries its
+# own consts; `Jaxpr(jaxpr, consts)` is the legacy ClosedJaxpr constructor and
+# `.jaxpr` / `.consts` still read as before. jax <= 0.11 keeps the two classes.
+ClosedJaxpr = getattr(_core, "ClosedJaxpr", None) or _core.Jaxpr
 Jaxpr = _core.Jaxpr
 Literal = _core.Literal
 Var = _core.Var
@@ -294,6 +299,46 @@ def jit_params(traced) -> dict:
 def jit_info(jitted):
   """The static_argnums/static_argnames/... record of a `jax.jit`-wrapped function."""
   return getattr(jitted, "_jit_info", None)
+
+
+def jit_function(jitted):
+  """The Python function a `jax.jit`-wrapped function wraps."""
+  return getattr(jitted, "_fun", None) or getattr(jitted, "__wrapped__", jitted)
+
+
+def jit_kwargs(jitted) -> dict:
+  """The `jax.jit(...)` keyword arguments `jitted` was made with, as `jax.jit` takes them:
+  `jax.jit(g, **jit_kwargs(jitted))` for a `g` with the same signature behaves like it
+  (static args, donation, shardings, keep_unused, compiler_options, ...)."""
+  info = jit_info(jitted)
+  if info is None:
+    return {}
+  if any(l is not None for l in tuple(info.in_layouts_leaves) + tuple(info.out_layouts_leaves)):
+    raise NotImplementedError(
+        "meshslice.transform does not support jax.jit in_shardings/out_shardings given as "
+        "jax.sharding.Format (layouts); pass plain shardings")
+  kwargs = dict(static_argnums=tuple(info.static_argnums),
+                static_argnames=tuple(info.static_argnames),
+                donate_argnums=tuple(info.donate_argnums),
+                donate_argnames=tuple(info.donate_argnames),
+                keep_unused=info.keep_unused, inline=info.inline)
+  for name in ("in_shardings", "out_shardings"):
+    leaves = getattr(info, f"{name}_leaves")
+    if not any(isinstance(l, _UnspecifiedValue) for l in leaves):
+      kwargs[name] = getattr(info, f"{name}_treedef").unflatten(leaves)
+  if info.device is not None:
+    kwargs["device"] = info.device
+  if info.backend is not None:
+    kwargs["backend"] = info.backend
+  if info.compiler_options_kvs:
+    kwargs["compiler_options"] = dict(info.compiler_options_kvs)
+  return kwargs
+
+
+def trace_context():
+  """The JAX config state that jit's own trace cache keys on (matmul precision, dtype
+  promotion, x64, ...): equal contexts trace equally."""
+  return _config.trace_context()
 
 
 # -- scan's parameters changed shape across JAX versions: jax <= 0.10 has num_consts /
