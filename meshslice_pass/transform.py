@@ -1,7 +1,6 @@
-"""`meshslice.transform`: trace once per input signature, analyse, plan, re-emit, jit."""
+"""`meshslice.transform`: a `jax.jit` whose trace analyses, plans and re-emits the program."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -9,28 +8,30 @@ import warnings
 from typing import Any, Callable
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import analysis as A
 from . import planning
 from .backend_flags import overlap_note
 from . import specs as S
-from ._jax_internals import jit_info, jit_params, known_value, trace_state_clean
+from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, jit_params, known_value, rejit,
+                             trace_context, trace_state_clean)
 from .emit import Emitter
 from .options import Options, check_overrides
 from .report import Report
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
-  """Everything built for one input signature."""
-  jitted: Callable          # jax.jit over the flat dynamic args
-  in_tree: Any              # tree of (dynamic args, dynamic kwargs)
+class _Planned:
+  """What the pass decided for one input signature (the program, its sites, the report)."""
+  closed: Any               # the original program, traced
   out_tree: Any
+  sites: tuple
+  mesh: Any
   report: Report
   abstract: bool = False    # planned on an AbstractMesh: nothing to run
-  # seconds per phase: trace, analysis, planning (at build); emission, lowering, compile
-  # (when `lower` / `.compile()` run them)
+  # seconds per phase: trace, analysis, planning (at planning); emission and lowering
+  # once `lower` ran them
   timings: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -41,8 +42,19 @@ def _is_jitted(fn) -> bool:
 class Transformed:
   """A drop-in replacement for a (jitted) function with its 2D matmuls rewritten.
 
-  Call it like the original; `.lower(*args)` lowers like a jitted function;
-  `.explain(*args)` returns the `Report` for that input signature.
+  Behind it is a real `jax.jit`, made with the original's own jit parameters (static
+  args, donation, in/out shardings, keep_unused, compiler_options), whose function runs
+  the pass inside jit's trace: jit's cache, config contexts, argument checks, stages
+  (`.trace/.lower/.eval_shape`), `jax.export` and error messages are JAX's own. One such
+  jit is kept per layout of the committed input arrays, which jit's trace cannot see.
+
+  Call it like the original; `.explain(*args)` returns the `Report` for that input
+  signature (abstract inputs are fine).
+
+  Example:
+    >>> fast_step = meshslice.transform(jax.jit(step, donate_argnums=0))   # doctest: +SKIP
+    >>> params, loss = fast_step(params, batch)                            # doctest: +SKIP
+    >>> jax.export.export(fast_step)(params, batch)                        # doctest: +SKIP
   """
 
   def __init__(self, fn: Callable, options: Options):
@@ -51,13 +63,16 @@ class Transformed:
     info = jit_info(self._jitted)
     self._static_argnums = tuple(info.static_argnums) if info else ()
     self._static_argnames = tuple(info.static_argnames) if info else ()
+    jit_kwargs(self._jitted)      # unsupported jit parameters fail here, not at call
     self._options = options
-    self._cache = {}
+    self._jits = {}           # (input layouts, traced) -> the jax.jit running the pass
+    self._plans = {}          # input signature -> _Planned, for explain and timings
     self._warned = False
     functools.update_wrapper(self, fn, updated=())
 
   # -- input signature handling
   def _split(self, args, kwargs):
+    """(static args, (dynamic args, dynamic kwargs)), as jit splits them."""
     n = len(args)
     static_pos = {i % n for i in self._static_argnums if -n <= i < n}
     static = (tuple((i, args[i]) for i in sorted(static_pos)),
@@ -66,38 +81,64 @@ class Transformed:
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
     return static, (dyn_args, dyn_kwargs)
 
-  def _entry(self, args, kwargs):
-    static, dynamic = self._split(args, kwargs)
-    leaves, tree = jax.tree.flatten(dynamic)
-    # Called with tracers, the program may be transformed further (vmap, grad): it is
-    # emitted without the CPU-only nesting of sites (`Emitter`), which JAX 0.10.2 cannot
-    # differentiate under vmap(spmd_axis_name=...).
+  def _layouts(self, args, kwargs):
+    """What jit's trace cannot see but the analysis needs: the shardings of committed
+    input arrays (also behind grad/jvp tracers), and whether an outer trace is on."""
+    _, dynamic = self._split(args, kwargs)
+    leaves = jax.tree.leaves(dynamic)
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
-    # the mesh context changes the trace (explicit-mode types, the jit's ctx_mesh)
-    key = (_hashable(static), tree, tuple(_signature(x) for x in leaves),
-           jax.sharding.get_abstract_mesh(), traced)
-    entry = self._cache.get(key)
-    if entry is None:
-      entry = self._build(args, kwargs, leaves, tree, nest_sites=not traced)
-      self._cache[key] = entry
-    if entry.report.notes and not trace_state_clean() and not self._warned:
-      self._warned = True
-      warnings.warn(f"meshslice.transform({_name(self._fn)}): " + " ".join(entry.report.notes),
-                    stacklevel=3)
-    return entry, leaves
+    # the mesh of `jax.set_mesh` also places uncommitted inputs (Explicit mode)
+    context = jax.sharding.get_mesh() if not traced and trace_state_clean() else None
+    context = context if getattr(context, "axis_names", ()) else None
+    return tuple(_leaf_sharding(x) for x in leaves) + (context,), traced
 
-  def _build(self, args, kwargs, leaves, in_tree, nest_sites):
+  def _jit_for(self, args, kwargs):
+    """The real `jax.jit` that runs the pass for inputs laid out like `args`."""
+    layouts, traced = self._layouts(args, kwargs)
+    key = (layouts, traced)
+    jitted = self._jits.get(key)
+    if jitted is None:
+      jitted = rejit(self._rewriting(layouts, traced), self._jitted)
+      self._jits[key] = jitted
+    return jitted
+
+  def _rewriting(self, layouts, outer_traced):
+    """The function jit traces: the original, with its planned sites rewritten."""
+
+    def rewritten(*args, **kwargs):
+      planned = self._planned(args, kwargs, (layouts, outer_traced))
+      if planned.report.notes and outer_traced and not self._warned:
+        self._warned = True
+        warnings.warn(f"meshslice.transform({_name(self._fn)}): "
+                      + " ".join(planned.report.notes), stacklevel=4)
+      _, dynamic = self._split(args, kwargs)
+      leaves = jax.tree.leaves(dynamic)
+      if planned.abstract:       # traced (eval_shape, .trace) without devices: as is
+        outs = jax.core.eval_jaxpr(planned.closed.jaxpr, planned.closed.consts, *leaves)
+      else:
+        # Called with tracers, the program may be transformed further (vmap, grad): it
+        # is emitted without the CPU-only nesting of sites (`Emitter`), which JAX 0.10.2
+        # cannot differentiate under vmap(spmd_axis_name=...).
+        emitter = Emitter(planned.sites, planned.mesh, nest_sites=not outer_traced)
+        outs = emitter.run(planned.closed, *leaves)
+      return jax.tree.unflatten(planned.out_tree, list(outs))
+
+    functools.update_wrapper(rewritten, jit_function(self._jitted))
+    return rewritten
+
+  def _plan(self, args, kwargs, layouts, outer_traced) -> "_Planned":
+    """Trace the original on `args` (arrays, tracers or ShapeDtypeStructs), analyse and
+    plan it; `layouts` are the input arrays' shardings as the caller sees them."""
     clock = _Clock()
     traced = self._jitted.trace(*args, **kwargs)
     clock.lap("trace")
     params = jit_params(traced)
     closed = traced.jaxpr
-    leaf_shardings = [_leaf_sharding(x) for x in leaves]
-    mesh = _find_mesh(params, leaf_shardings, closed)
+    mesh = _find_mesh(params, layouts[:-1], closed, context=layouts[-1])
     axis_sizes = dict(mesh.shape) if mesh is not None else {}
     in_specs = []
-    for sharding, leaf_sharding, aval in zip(params["in_shardings"], leaf_shardings,
-                                             closed.in_avals):
+    for sharding, leaf_sharding, aval in zip(params["in_shardings"], layouts,
+                                             closed.in_avals):       # (context last)
       ndim = len(getattr(aval, "shape", ()))
       spec = S.from_sharding(sharding, ndim, axis_sizes)
       if spec is None:
@@ -114,151 +155,89 @@ class Transformed:
     if self._options.plan is not None:
       self._options.plan.check_matches(sites, axis_sizes)
     check_overrides(self._options, sites)
+    blind = _blind_spots(sites, outer_traced)
     report = Report(sites=sites, mesh_shape=axis_sizes,
                     profile=getattr(self._options.profile, "name", ""),
                     hardware=self._options.profile,
-                    notes=_blind_spots(sites, leaves) + overlap_note(sites, mesh))
-    if isinstance(mesh, AbstractMesh) and not any(isinstance(x, jax.core.Tracer)
-                                                  for x in leaves):
-      # planned for a mesh that has no devices here (e.g. a 16x16 cluster from a laptop)
-      return _Entry(jitted=None, in_tree=in_tree, out_tree=traced.out_tree, report=report,
-                    abstract=True, timings=clock.times)
-    emitter = Emitter(sites, mesh, nest_sites=nest_sites)
+                    notes=blind + overlap_note(sites, mesh))
+    planned = _Planned(closed=closed, out_tree=traced.out_tree, sites=tuple(sites),
+                       mesh=mesh, report=report,
+                       abstract=isinstance(mesh, AbstractMesh) and not outer_traced,
+                       timings=clock.times)
+    return planned
 
-    def emitted(*flat):
-      return tuple(emitter.run(closed, *flat))
+  def _planned(self, args, kwargs, layouts=None) -> "_Planned":
+    """The plan for these inputs, planned once per input signature: by `explain` on the
+    caller's values, or inside jit's trace on its tracers (`layouts` then given), which
+    key alike, so a step explained and then called is planned once."""
+    layouts, traced = self._layouts(args, kwargs) if layouts is None else layouts
+    static, dynamic = self._split(args, kwargs)
+    leaves, tree = jax.tree.flatten(dynamic)
+    key = (_static_key(static), tree, tuple(abstractify(x) for x in leaves), layouts,
+           traced, jax.sharding.get_abstract_mesh(), trace_context())
+    planned = self._plans.get(key)
+    if planned is None:
+      planned = self._plans[key] = self._plan(args, kwargs, layouts, traced)
+    return planned
 
-    donated = tuple(i for i, d in enumerate(params["donated_invars"]) if d)
-    jitted = jax.jit(emitted, in_shardings=_none_if_unspecified(params["in_shardings"]),
-                     out_shardings=_none_if_unspecified(params["out_shardings"]),
-                     donate_argnums=donated, keep_unused=True)
-    ctx_mesh = params.get("ctx_mesh")
-    if ctx_mesh is not None and getattr(ctx_mesh, "axis_names", ()):
-      jitted = _with_mesh(jitted, ctx_mesh)
-    return _Entry(jitted=jitted, in_tree=in_tree, out_tree=traced.out_tree, report=report,
-                  timings=clock.times)
+  def _require_devices(self, args, kwargs, what):
+    layouts, traced = self._layouts(args, kwargs)
+    if traced or not any(isinstance(getattr(s, "mesh", None), AbstractMesh) for s in layouts):
+      return               # the common case: no need to plan here
+    planned = self._planned(args, kwargs)
+    if planned.abstract:
+      raise ValueError(
+          f"cannot {what} a program planned on an AbstractMesh "
+          f"({' x '.join(f'{k}={v}' for k, v in planned.report.mesh_shape.items())}): "
+          "running or lowering needs a concrete jax.sharding.Mesh of devices. Use "
+          "meshslice.explain (the report and .plan) on abstract inputs, and transform "
+          "with a concrete mesh")
 
-  # -- public surface
+  # -- public surface: what jax.jit offers
   def __call__(self, *args, **kwargs):
-    entry, leaves = self._entry(args, kwargs)
-    _require_devices(entry, "call")
-    return jax.tree.unflatten(entry.out_tree, entry.jitted(*leaves))
+    self._require_devices(args, kwargs, "call")
+    return self._jit_for(args, kwargs)(*args, **kwargs)
 
-  def lower(self, *args, **kwargs):
-    """Lower like `jax.jit(f).lower`: `.as_text()`, `.cost_analysis()`, `.compile()`; the
-    compiled object is called with the same (pytree) arguments as `f`, static ones
-    dropped, and returns `f`'s output pytree."""
-    entry, leaves = self._entry(args, kwargs)
-    _require_devices(entry, "lower")
+  def trace(self, *args, **kwargs) -> jax.stages.Traced:
+    """Trace like `jax.jit(f).trace`: the rewritten program's `jax.stages.Traced`."""
+    return self._jit_for(args, kwargs).trace(*args, **kwargs)
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    """Lower like `jax.jit(f).lower`: a `jax.stages.Lowered` of the rewritten program
+    (`.as_text()`, `.cost_analysis()`, `.compile()`), with `f`'s pytrees."""
+    self._require_devices(args, kwargs, "lower")
     clock = _Clock()
-    traced = entry.jitted.trace(*leaves)      # runs the emitter: the rewritten program
+    traced = self.trace(*args, **kwargs)     # runs the pass and the emitter
     clock.lap("emission")
     lowered = traced.lower()
     clock.lap("lowering")
-    entry.timings.update(clock.times)
-    return Lowered(lowered, entry.in_tree, entry.out_tree, entry.timings)
+    self._planned(args, kwargs).timings.update(clock.times)
+    return lowered
+
+  def eval_shape(self, *args, **kwargs):
+    """Like `jax.jit(f).eval_shape`: the output's shapes, dtypes and shardings."""
+    return self._jit_for(args, kwargs).eval_shape(*args, **kwargs)
+
+  def _cache_size(self) -> int:
+    """Compiled programs kept, like `jax.jit(f)._cache_size()`."""
+    return sum(jitted._cache_size() for jitted in self._jits.values())
+
+  def clear_cache(self):
+    """Drop every trace, compiled program and plan kept for this function."""
+    for jitted in self._jits.values():
+      jitted.clear_cache()
+    self._jits.clear()
+    self._plans.clear()
 
   def explain(self, *args, **kwargs) -> Report:
     """The report for this input signature (abstract inputs are fine)."""
-    entry, _ = self._entry(args, kwargs)
-    return entry.report
+    return self._planned(args, kwargs).report
 
   def timings(self, *args, **kwargs) -> dict:
     """Seconds spent per phase for this input signature: "trace" (jax tracing of the
-    original), "analysis", "planning"; after `.lower(...)` also "emission" (re-tracing
-    with the sites rewritten) and "lowering" (to StableHLO); after `.compile()` of that,
-    "compile" (XLA). Phases not run yet are absent."""
-    entry, _ = self._entry(args, kwargs)
-    return dict(entry.timings)
-
-
-class _Wrapped:
-  """Forwards everything except what the subclass defines to the JAX object."""
-
-  def __init__(self, inner, in_tree, out_tree):
-    self._inner, self._in_tree, self._out_tree = inner, in_tree, out_tree
-
-  def __getattr__(self, name):
-    return getattr(self._inner, name)
-
-  @property
-  def in_tree(self):
-    return self._in_tree
-
-  @property
-  def out_tree(self):
-    return self._out_tree
-
-
-class Lowered(_Wrapped):
-  """`Transformed.lower(...)`: a `jax.stages.Lowered` of the rewritten program whose
-  `.compile()` takes and returns the original function's pytrees."""
-
-  def __init__(self, inner, in_tree, out_tree, timings=None):
-    super().__init__(inner, in_tree, out_tree)
-    self._timings = {} if timings is None else timings
-
-  def compile(self, *args, **kwargs) -> "Compiled":
-    start = time.perf_counter()
-    compiled = self._inner.compile(*args, **kwargs)
-    self._timings["compile"] = time.perf_counter() - start
-    return Compiled(compiled, self._in_tree, self._out_tree)
-
-
-class Compiled(_Wrapped):
-  """A compiled rewritten program, called like `jax.jit(f).lower(...).compile()`: with
-  `f`'s dynamic arguments (static ones dropped), returning `f`'s output pytree."""
-
-  def __call__(self, *args, **kwargs):
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    if tree != self._in_tree:
-      raise TypeError(
-          "the compiled meshslice program was called with arguments of another structure "
-          f"than it was lowered for: got {tree}, expected {self._in_tree}. Pass the same "
-          "pytrees as to .lower(...), without the static arguments")
-    return jax.tree.unflatten(self._out_tree, self._inner(*leaves))
-
-
-class _with_mesh:
-  """Run (and lower) a jitted function under the mesh context the original was traced in
-  (explicit-sharding programs need it)."""
-
-  def __init__(self, jitted, mesh):
-    self._jitted, self._mesh = jitted, mesh
-
-  def _ctx(self):
-    mesh = self._mesh
-    if isinstance(mesh, Mesh) and trace_state_clean():
-      return jax.set_mesh(mesh)
-    # Under an outer trace (jit, grad, vmap, make_jaxpr, eval_shape) `jax.set_mesh` is not
-    # allowed; the abstract mesh is what tracing needs, and it is often already current.
-    abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
-    if jax.sharding.get_abstract_mesh() == abstract:
-      return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(abstract)
-
-  def __call__(self, *a):
-    with self._ctx():
-      return self._jitted(*a)
-
-  def lower(self, *a):
-    with self._ctx():
-      return self._jitted.lower(*a)
-
-  def trace(self, *a):
-    with self._ctx():
-      return _TracedInMesh(self._jitted.trace(*a), self)
-
-
-class _TracedInMesh:
-  """A `jax.stages.Traced` whose `.lower()` runs under the original's mesh context."""
-
-  def __init__(self, traced, owner):
-    self._traced, self._owner = traced, owner
-
-  def lower(self):
-    with self._owner._ctx():
-      return self._traced.lower()
+    original), "analysis", "planning"; after `.lower(...)` also "emission" (tracing the
+    rewritten program) and "lowering" (to StableHLO). Phases not run yet are absent."""
+    return dict(self._planned(args, kwargs).timings)
 
 
 class _Clock:
@@ -273,30 +252,20 @@ class _Clock:
     self._last = now
 
 
-def _none_if_unspecified(shardings):
-  return tuple(s if isinstance(s, jax.sharding.Sharding) else None for s in shardings)
-
-
-def _signature(x):
-  """What a leaf contributes to the trace-cache key: its type (shape, dtype, weak type,
-  sharding) for arrays, tracers and ShapeDtypeStructs; its Python type otherwise."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
-  if isinstance(x, (jax.Array, jax.core.Tracer)):
-    aval = jax.typeof(x)
-    sharding = aval.sharding if isinstance(x, jax.core.Tracer) else x.sharding
-    return (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), sharding)
-  if hasattr(x, "shape") and hasattr(x, "dtype"):          # numpy arrays and scalars
-    return (tuple(x.shape), str(x.dtype), False, None)
-  return (type(x).__name__,)
-
-
 def _hashable(value):
   try:
     hash(value)
     return value
   except TypeError:
     return repr(value)
+
+
+def _static_key(static):
+  """Static arguments as jit keys them: by type as well as value (1, 1.0 and True are
+  equal in Python but trace differently)."""
+  positional, named = static
+  return (tuple((i, type(v), _hashable(v)) for i, v in positional),
+          tuple((k, type(v), _hashable(v)) for k, v in named))
 
 
 def _leaf_sharding(x):
@@ -309,7 +278,7 @@ def _leaf_sharding(x):
   return getattr(x, "sharding", None)
 
 
-def _find_mesh(params, leaf_shardings, closed):
+def _find_mesh(params, leaf_shardings, closed, context=None):
   """The mesh the program is sharded over: a concrete one where one is known, else an
   AbstractMesh (planning only, or tracing inside an outer transformation)."""
   candidates = list(params["in_shardings"]) + list(params["out_shardings"])
@@ -327,13 +296,16 @@ def _find_mesh(params, leaf_shardings, closed):
   ctx = params.get("ctx_mesh")
   if isinstance(ctx, Mesh) and ctx.axis_names:
     return ctx
+  if isinstance(context, Mesh) and (ctx is None or context.abstract_mesh == ctx
+                                    or not getattr(ctx, "axis_names", ())):
+    return context          # the caller's `jax.set_mesh` mesh (outside the trace)
   if named:
     return named[0]
   if ctx is not None and getattr(ctx, "axis_names", ()):
     return ctx
-  context = jax.sharding.get_abstract_mesh()
-  if context.axis_names:
-    return context
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.axis_names:
+    return abstract
   for aval in list(closed.in_avals) + list(closed.out_avals):
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     if mesh is not None and mesh.axis_names:
@@ -341,27 +313,18 @@ def _find_mesh(params, leaf_shardings, closed):
   return None
 
 
-def _blind_spots(sites, leaves) -> tuple:
+def _blind_spots(sites, outer_traced) -> tuple:
   """Header notes when matmuls could not be analysed because the layouts are hidden from
   this trace (the pass called inside an outer jit/grad/vmap with Auto-mode inputs)."""
   blind = [s for s in sites if not s.rewritten and s.reason.startswith(
       ("operand sharding unknown", "no multi-device mesh"))]
-  if not blind or not any(isinstance(x, jax.core.Tracer) for x in leaves):
+  if not blind or not outer_traced:
     return ()
   return (f"{len(blind)} of {len(sites)} matmuls left alone: traced inside an outer JAX "
           "transformation (jit, grad, vmap, ...) whose input shardings are not visible "
           "here, so the operand layouts are unknown. Apply meshslice.transform to the "
           "outermost jitted step (with in_shardings), use Explicit mesh axes, or add "
           "jax.lax.with_sharding_constraint on the inputs.",)
-
-
-def _require_devices(entry, what):
-  if entry.abstract:
-    raise ValueError(
-        f"cannot {what} a program planned on an AbstractMesh "
-        f"({' x '.join(f'{k}={v}' for k, v in entry.report.mesh_shape.items())}): running "
-        "or lowering needs a concrete jax.sharding.Mesh of devices. Use meshslice.explain "
-        "(the report and .plan) on abstract inputs, and transform with a concrete mesh")
 
 
 def _name(fn) -> str:
@@ -425,12 +388,12 @@ def explain(fn: Callable, *, timings: bool = False, **options) -> Callable[..., 
     return transformed.explain
 
   def explain_timed(*args, **kwargs):
-    entry, leaves = transformed._entry(args, kwargs)
-    if not entry.abstract and "emission" not in entry.timings:
+    planned = transformed._planned(args, kwargs)
+    if not planned.abstract and "emission" not in planned.timings:
       clock = _Clock()
-      entry.jitted.trace(*leaves)
+      transformed.trace(*args, **kwargs)
       clock.lap("emission")
-      entry.timings.update(clock.times)
-    return entry.report, dict(entry.timings)
+      planned.timings.update(clock.times)
+    return planned.report, dict(planned.timings)
 
   return explain_timed

@@ -77,7 +77,7 @@ def test_static_args_donation_and_lower():
   # one trace per input signature
   fast(x, jnp.copy(w1), 3.0)
   fast(x, jnp.copy(w1), 2.0)
-  assert len(fast._cache) == 2
+  assert fast._cache_size() == 2
 
 
 def test_explain_on_abstract_inputs():
