@@ -335,6 +335,29 @@ def jit_kwargs(jitted) -> dict:
   return kwargs
 
 
+def rejit(fun, jitted):
+  """`fun` jitted with `jitted`'s parameters: `jax.jit(fun, **jit_kwargs(jitted))`, or
+  `pjit` for a function made by `jax.experimental.pjit.pjit` (its PartitionSpecs resolve
+  against the legacy `with mesh:` context, which `jax.jit` does not read)."""
+  info = jit_info(jitted)
+  if info is not None and info.use_resource_env:
+    import warnings
+    from jax.experimental.pjit import pjit
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return pjit(fun, **jit_kwargs(jitted))
+  import jax
+  return jax.jit(fun, **jit_kwargs(jitted))
+
+
+def abstractify(x):
+  """The abstract value `jax.jit` traces `x` as (an array, tracer, ShapeDtypeStruct or
+  Python scalar): its shape, dtype, weak type and, in Explicit mode, sharding type."""
+  if isinstance(x, _core.Tracer):
+    return x.aval
+  return _core.shaped_abstractify(x)
+
+
 def trace_context():
   """The JAX config state that jit's own trace cache keys on (matmul precision, dtype
   promotion, x64, ...): equal contexts trace equally."""
