@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 import numpy as np
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 
 from . import matching
 from . import specs as S
@@ -72,12 +72,40 @@ def _explicit_spec(aval, axis_sizes):
   return S.from_partition_spec(sharding.spec, len(aval.shape), axis_sizes)
 
 
+def _value_spec(value, ndim, ctx):
+  """The layout of a concrete value the program holds (a constant the step closes over,
+  or a literal): its own `jax.Array.sharding` when that is a NamedSharding over this
+  mesh's axes; anything else (numpy, a scalar, an uncommitted or single-device array)
+  is the same on every device, i.e. replicated."""
+  sharding = getattr(value, "sharding", None)
+  if isinstance(sharding, NamedSharding) and ndim:
+    if S.named_axes(sharding.spec) <= set(ctx.axis_sizes):
+      return S.from_partition_spec(sharding.spec, ndim, ctx.axis_sizes)
+    return None     # sharded over axes this mesh does not have: unknown
+  return S.replicated(ndim)
+
+
+def _const_specs(jaxpr, consts, ctx):
+  """Specs of a jaxpr's constvars from the constant values (`ClosedJaxpr.consts`)."""
+  if len(consts) != len(jaxpr.constvars):
+    return [S.replicated(len(_shape(v))) for v in jaxpr.constvars]
+  return [_value_spec(c, len(_shape(v)), ctx) for v, c in zip(jaxpr.constvars, consts)]
+
+
+def _consts_of(sub):
+  return tuple(sub.consts) if isinstance(sub, ClosedJaxpr) else ()
+
+
 def analyze(closed: ClosedJaxpr, in_specs, out_specs, ctx: Context) -> JaxprAnalysis:
-  """Analyse a closed jaxpr given (possibly None) specs for its inputs and outputs."""
-  return _analyze(closed.jaxpr, list(in_specs), list(out_specs), ctx, None)
+  """Analyse a closed jaxpr given (possibly None) specs for its inputs and outputs.
+
+  The constants it closes over (`closed.consts`, e.g. a sharded weight the step reads
+  from an enclosing scope) carry their own arrays' shardings."""
+  return _analyze(closed.jaxpr, list(in_specs), list(out_specs), ctx, None,
+                  _const_specs(closed.jaxpr, _consts_of(closed), ctx))
 
 
-def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
+def _analyze(jaxpr, in_specs, out_specs, ctx, previous, const_specs=None):
   if previous is None:
     state = JaxprAnalysis(specs={}, children={})
   else:     # copy: `previous` may be shared by other equations with the same body
@@ -86,7 +114,7 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
 
   def get(v):
     if isinstance(v, Literal):
-      return S.replicated(len(np.shape(v.val)))
+      return _value_spec(v.val, len(np.shape(v.val)), ctx)
     if v in specs:
       return specs[v]
     explicit = _explicit_spec(v.aval, ctx.axis_sizes)
@@ -112,8 +140,10 @@ def _analyze(jaxpr, in_specs, out_specs, ctx, previous):
     put(v, s)
   for v, s in zip(jaxpr.outvars, out_specs):
     put(v, s)
-  for v in jaxpr.constvars:
-    put(v, S.replicated(len(_shape(v))))
+  if const_specs is None:
+    const_specs = [S.replicated(len(_shape(v))) for v in jaxpr.constvars]
+  for v, s in zip(jaxpr.constvars, const_specs):
+    put(v, s)
 
   # Phase 1 pushes what the inputs say forward only, so facts from the program's inputs
   # are settled before any guess flows backward from a replicated constant. Phase 2 then
@@ -414,9 +444,11 @@ def _dot_general(eqn, ins, outs, ctx, state, index):
 
 # ---------------------------------------------------------- higher-order rules
 
-def _child(state, key, jaxpr, in_specs, out_specs, ctx):
-  """(Re-)analyse a sub-jaxpr when its boundary specs changed."""
-  boundary = (tuple(in_specs), tuple(out_specs))
+def _child(state, key, jaxpr, in_specs, out_specs, ctx, consts=()):
+  """(Re-)analyse a sub-jaxpr when its boundary specs changed; `consts` are the values
+  of its constvars (a ClosedJaxpr's), whose shardings are their layouts."""
+  const_specs = tuple(_const_specs(jaxpr, consts, ctx))
+  boundary = (tuple(in_specs), tuple(out_specs), const_specs)
   previous = state.children.get(key)
   if previous is not None and previous.boundary == boundary:
     return previous
@@ -425,7 +457,7 @@ def _child(state, key, jaxpr, in_specs, out_specs, ctx):
   if found is not None and found[0] is jaxpr and found[1] is previous:
     child = found[2]
   else:
-    child = _analyze(jaxpr, in_specs, out_specs, ctx, previous)
+    child = _analyze(jaxpr, in_specs, out_specs, ctx, previous, list(const_specs))
     child.boundary = boundary
     # keyed by ids: the value holds the objects so that their ids stay theirs
     ctx.memo[memo_key] = (jaxpr, previous, child)
@@ -447,7 +479,8 @@ def _call_like(param):
                   for s, sh, v in zip(in_specs, eqn.params["in_shardings"], eqn.invars)]
       out_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
                    for s, sh, v in zip(out_specs, eqn.params["out_shardings"], eqn.outvars)]
-    child = _child(state, (index, param, 0), jaxpr, in_specs, out_specs, ctx)
+    child = _child(state, (index, param, 0), jaxpr, in_specs, out_specs, ctx,
+                   _consts_of(sub))
     return _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
   return call_rule
 
@@ -475,7 +508,7 @@ def _scan(eqn, ins, outs, ctx, state, index):
   carry = [a if a is not None else b for a, b in zip(init, carry_out)]
   child = _child(state, (index, "jaxpr", 0), jaxpr,
                  consts + carry + [_unstack(s) for s in xs],
-                 carry + [_unstack(s) for s in ys], ctx)
+                 carry + [_unstack(s) for s in ys], ctx, _consts_of(p["jaxpr"]))
   body_in, body_out = _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
   b_consts, b_carry, b_xs = body_in[:nc], body_in[nc:nc + ncarry], body_in[nc + ncarry:]
   carry = [a if a is not None else b for a, b in zip(carry, b_carry)]
@@ -491,11 +524,13 @@ def _while(eqn, ins, outs, ctx, state, index):
   cond_consts, body_consts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
   carry = [a if a is not None else b for a, b in zip(init, outs)]
   body = p["body_jaxpr"].jaxpr
-  child = _child(state, (index, "body_jaxpr", 0), body, body_consts + carry, carry, ctx)
+  child = _child(state, (index, "body_jaxpr", 0), body, body_consts + carry, carry, ctx,
+                 _consts_of(p["body_jaxpr"]))
   b_in = _read(child, body.invars)
   carry = [a if a is not None else b for a, b in zip(carry, b_in[bn:])]
   cond = p["cond_jaxpr"].jaxpr
-  _child(state, (index, "cond_jaxpr", 0), cond, cond_consts + carry, [None], ctx)
+  _child(state, (index, "cond_jaxpr", 0), cond, cond_consts + carry, [None], ctx,
+         _consts_of(p["cond_jaxpr"]))
   return cond_consts + b_in[:bn] + carry, carry
 
 
@@ -504,7 +539,8 @@ def _cond(eqn, ins, outs, ctx, state, index):
   operands = ins[1:]
   new_operands, new_outs = list(operands), list(outs)
   for b, branch in enumerate(eqn.params["branches"]):
-    child = _child(state, (index, "branches", b), branch.jaxpr, operands, outs, ctx)
+    child = _child(state, (index, "branches", b), branch.jaxpr, operands, outs, ctx,
+                   _consts_of(branch))
     b_in, b_out = _read(child, branch.jaxpr.invars), _read(child, branch.jaxpr.outvars)
     new_operands = [a if a is not None else c for a, c in zip(new_operands, b_in)]
     new_outs = [a if a is not None else c for a, c in zip(new_outs, b_out)]

@@ -140,6 +140,9 @@ def describe(dimension_numbers, lhs_shape, rhs_shape, lhs_spec, rhs_spec,
   if lhs_spec is None or rhs_spec is None:
     raise _LeftAlone("operand sharding unknown (no in_shardings, constraint or "
                      "explicit-mode type reaches this matmul)")
+  why = S.typed_reason("lhs", lhs_spec) or S.typed_reason("rhs", rhs_spec)
+  if why:
+    raise _LeftAlone(why)
   if 0 in tuple(lhs_shape) + tuple(rhs_shape):
     raise _LeftAlone("an operand has a zero-size dim: nothing to compute or communicate")
   lc, rc, lb, rb, lf, rf = _groups(dimension_numbers, len(lhs_shape), len(rhs_shape))
@@ -455,6 +458,9 @@ def choose(classification: Classification, demanded_out_spec):
   is left alone (GSPMD's all-reduce). Returns (match or None, reason)."""
   if not classification.matches:
     return None, classification.reason
+  why = S.typed_reason("result", demanded_out_spec)
+  if why:
+    return None, why
   if demanded_out_spec is None:
     return classification.matches[0], ""
   for m in classification.matches:
