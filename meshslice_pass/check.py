@@ -54,7 +54,7 @@ from .transform import Transformed, transform
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2,
              "complex128": 1e-9, "complex64": 1e-4}
 
-_MESSAGE_LIMIT = 300     # characters of a quoted exception message (cut between words)
+_MESSAGE_LIMIT = 1000    # characters of a quoted exception message (cut between words)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
