@@ -17,6 +17,7 @@ from . import specs as S
 from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, jit_params, known_value, rejit,
                              trace_context, trace_state_clean)
 from .emit import Emitter
+from .nnx_jit import is_nnx_jit, transform_nnx_jit
 from .options import Options, check_overrides
 from .report import Report
 
@@ -361,9 +362,12 @@ def transform(fn: Callable, **options) -> Transformed:
   if not callable(fn):
     raise TypeError("meshslice.transform expects a callable (a function or a "
                     f"jax.jit-wrapped function) as fn, got {type(fn).__name__}")
-  if isinstance(fn, Transformed):
+  if isinstance(fn, Transformed) or isinstance(getattr(fn, "jitted_fn", None), Transformed):
     raise TypeError("fn is already a meshslice.transform result; transform the original")
-  return Transformed(fn, Options.from_kwargs("meshslice.transform", options))
+  parsed = Options.from_kwargs("meshslice.transform", options)
+  if is_nnx_jit(fn):        # keep NNX's in-place updates: swap the jit inside its wrapper
+    return transform_nnx_jit(fn, lambda jitted: Transformed(jitted, parsed))
+  return Transformed(fn, parsed)
 
 
 def explain(fn: Callable, *, timings: bool = False, **options) -> Callable[..., Report]:
@@ -383,7 +387,13 @@ def explain(fn: Callable, *, timings: bool = False, **options) -> Callable[..., 
   if not callable(fn):
     raise TypeError("meshslice.explain expects a callable (a function or a "
                     f"jax.jit-wrapped function) as fn, got {type(fn).__name__}")
-  transformed = Transformed(fn, Options.from_kwargs("meshslice.explain", options))
+  parsed = Options.from_kwargs("meshslice.explain", options)
+  if is_nnx_jit(fn):
+    if timings:
+      raise ValueError("meshslice.explain(timings=True) is not available for nnx.jit "
+                       "steps; use timings=False, or explain the step's jax.jit")
+    return transform_nnx_jit(fn, lambda jitted: Transformed(jitted, parsed)).explain
+  transformed = Transformed(fn, parsed)
   if not timings:
     return transformed.explain
 

@@ -178,3 +178,61 @@ def test_call_errors_name_the_users_arguments_as_jit_does():
   assert no_address(fast_error) == no_address(plain_error)
   assert "weights" in str(fast_error.value)
   assert "emitted" not in str(fast_error.value)
+
+
+# -- nnx.jit: the model's and optimizer's in-place updates are kept ---------------------------
+
+def _nnx_model_and_optimizer(nnx, optax, msh):
+  kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("x", "y"))
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(32, 64, use_bias=False, kernel_init=kernel, rngs=rngs)
+      self.down = nnx.Linear(64, 32, use_bias=False, kernel_init=kernel, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x, out_sharding=P("x", "y"))),
+                       out_sharding=P("x", "y"))
+
+  model = Mlp(nnx.Rngs(0))
+  return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_nnx_jit_step_keeps_in_place_model_and_optimizer_updates(graph):
+  nnx = pytest.importorskip("flax.nnx")
+  optax = pytest.importorskip("optax")
+  msh = mesh((2, 4), explicit=True)
+
+  def train_step(model, optimizer, x):
+    loss_fn = lambda m: jnp.mean(m(x) ** 2)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  with jax.set_mesh(msh):
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 32)), P("x", "y"))
+    runs = {}
+    for name in ("plain", "transformed"):
+      model, optimizer = _nnx_model_and_optimizer(nnx, optax, msh)
+      step = nnx.jit(train_step, graph=graph)
+      if name == "transformed":
+        step = meshslice.transform(step, ksplit=2)
+        report = step.explain(model, optimizer, x)
+        assert len(report.rewritten) >= 2
+      before = np.asarray(model.up.kernel[...])
+      down = np.asarray(model.down.kernel[...])
+      losses = [float(step(model, optimizer, x)) for _ in range(3)]
+      assert not np.allclose(np.asarray(model.up.kernel[...]), before)   # it trains
+      # the first loss against an unsharded float64 run of the initial model
+      hidden = np.maximum(_unsharded(x) @ before.astype(np.float64), 0)
+      np.testing.assert_allclose(losses[0], np.mean((hidden @ down) ** 2), rtol=1e-4)
+      runs[name] = (losses, np.asarray(model.up.kernel[...]),
+                    np.asarray(model.down.kernel[...]), int(optimizer.step[...]))
+  (plain_losses, *plain_state, plain_steps), (losses, *state, steps) = (
+      runs["plain"], runs["transformed"])
+  assert steps == plain_steps == 3
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+  assert losses[2] < losses[0]
+  for got, want in zip(state, plain_state):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
