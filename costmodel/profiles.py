@@ -41,6 +41,7 @@ Shipped profiles (`known_profiles()`):
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.resources
 import json
 import math
@@ -261,6 +262,50 @@ class HardwareProfile:
     }
 
 
+# Every key a profile JSON file may hold at its top level (`to_json_dict` writes all but
+# "compiler_terms", the calibrated section `xla_baseline.write_terms` adds); "units" is
+# free text for people.
+_TOP_LEVEL = ("name", "description", "units", "peak_flops", "collectives", "gemm_efficiency",
+              "overlap", *_OPTIONAL, "accumulate_fused", "serial_collectives", "sources",
+              "topology", "compiler_terms")
+_COLLECTIVE_KEYS = ("bandwidth", "hop_latency", "base_overhead")
+_GEMM_KEYS = ("max_efficiency", "m_sat", "n_sat", "k_sat")
+
+
+def _check_keys(obj: dict, known, where: str) -> None:
+  """An unknown key is an error naming it (a typo would otherwise be ignored silently:
+  `"overlapp": false` loading with overlap=True), with the nearest known key."""
+  for key in obj:
+    if key in known:
+      continue
+    text = key if isinstance(key, str) else str(key)
+    close = ([k for k in known if k.lower() == text.lower()]
+             or difflib.get_close_matches(text, list(known), n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    owner = f"field {where!r} has an" if where else "an"
+    raise ValueError(f"{owner} unknown key {key!r}{hint} (known keys: "
+                     f"{', '.join(sorted(known))})")
+
+
+def _check_terms_section(section) -> None:
+  """The calibrated "compiler_terms" section: a JSON object with known keys, its tables
+  JSON objects (`xla_baseline.read_terms` checks the values and the version)."""
+  from .xla_baseline import SECTION, builtin_terms
+  if not isinstance(section, dict):
+    raise ValueError(f"field {SECTION!r} must be a JSON object, got {section!r}")
+  reference = builtin_terms("tpu-v4").to_json_dict()
+  _check_keys(section, tuple(reference), SECTION)
+  for key, value in section.items():
+    shape = reference[key]
+    if isinstance(shape, dict):
+      if not isinstance(value, dict):
+        raise ValueError(f"field '{SECTION}.{key}' must be a JSON object, got {value!r}")
+      for sub, inner in value.items():
+        if isinstance(shape.get(sub), dict) and not isinstance(inner, dict):
+          raise ValueError(f"field '{SECTION}.{key}.{sub}' must be a JSON object, got "
+                           f"{inner!r}")
+
+
 def _field(obj: dict, key: str, where: str):
   if not isinstance(obj, dict):
     raise ValueError(f"field {where or '<top level>'!r} must be a JSON object, got {obj!r}")
@@ -277,6 +322,10 @@ def profile_from_json_dict(data) -> HardwareProfile:
     >>> profile_from_json_dict(p.to_json_dict()) == p
     True
   """
+  if not isinstance(data, dict):
+    raise ValueError("must hold a JSON object of profile fields (name, peak_flops, "
+                     f"collectives, gemm_efficiency, ...), got a JSON {_json_kind(data)}")
+  _check_keys(data, _TOP_LEVEL, "")
   name = _field(data, "name", "")
   if not isinstance(name, str) or not name:
     raise ValueError(f"field 'name' must be a non-empty string, got {name!r}")
@@ -286,9 +335,13 @@ def profile_from_json_dict(data) -> HardwareProfile:
   peak = _field(data, "peak_flops", "")
   _check_number(peak, "peak_flops", positive=True)
   colls = _field(data, "collectives", "")
+  if isinstance(colls, dict):
+    _check_keys(colls, COLLECTIVES, "collectives")
   params = {}
   for kind in COLLECTIVES:
     c = _field(colls, kind, "collectives")
+    if isinstance(c, dict):
+      _check_keys(c, _COLLECTIVE_KEYS, f"collectives.{kind}")
     values = {}
     for key in ("bandwidth", "hop_latency", "base_overhead"):
       where = f"collectives.{kind}.{key}"
@@ -296,6 +349,8 @@ def profile_from_json_dict(data) -> HardwareProfile:
       _check_pair(values[key], where, positive=key == "bandwidth")
     params[kind] = CollectiveParams(**values)
   g = _field(data, "gemm_efficiency", "")
+  if isinstance(g, dict):
+    _check_keys(g, _GEMM_KEYS, "gemm_efficiency")
   values = {}
   for key in ("max_efficiency", "m_sat", "n_sat", "k_sat"):
     values[key] = _field(g, key, "gemm_efficiency")
@@ -318,6 +373,10 @@ def profile_from_json_dict(data) -> HardwareProfile:
   if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
     raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
   topology = data.get("topology")
+  if isinstance(topology, dict):
+    _check_keys(topology, tuple(f.name for f in dataclasses.fields(Topology)), "topology")
+  if "compiler_terms" in data:
+    _check_terms_section(data["compiler_terms"])
   if topology is not None:
     try:
       topology = Topology.from_json_dict(topology)
@@ -327,6 +386,19 @@ def profile_from_json_dict(data) -> HardwareProfile:
                          description=description, overlap=overlap, sources=tuple(sources),
                          topology=topology, accumulate_fused=fused,
                          serial_collectives=serial, **extra, **params)
+
+
+def _json_kind(value) -> str:
+  """The JSON name of a decoded value's type."""
+  if isinstance(value, list):
+    return "list"
+  if isinstance(value, str):
+    return "string"
+  if isinstance(value, bool):
+    return "boolean"
+  if isinstance(value, (int, float)):
+    return "number"
+  return "null" if value is None else type(value).__name__
 
 
 def _builtin_dir():

@@ -97,9 +97,16 @@ class Options:
     from meshslice.costmodel import xla_baseline
     terms = kwargs.get("compiler_terms")
     try:
+      # the profile first: it checks the whole file (JSON, keys, field types) and names
+      # the file and the field; the terms reader assumes a well-formed file
+      loaded = load_profile(profile)
       if terms is None:
-        terms = xla_baseline.read_terms(profile)
-      kwargs = dict(kwargs, profile=load_profile(profile), compiler_terms=terms or None)
+        try:
+          terms = xla_baseline.read_terms(profile)
+        except (TypeError, AttributeError, KeyError) as e:
+          raise ValueError(f"hardware profile {os.fspath(profile)!r}: section "
+                           f"{xla_baseline.SECTION!r} is malformed ({e})") from None
+      kwargs = dict(kwargs, profile=loaded, compiler_terms=terms or None)
     except ValueError as e:
       raise ValueError(f"profile: {e}") from None
     if kwargs.get("xla_baseline", "auto") == "auto":
@@ -135,32 +142,53 @@ class Options:
   def request_for(self, *, index: int, source: str, module: str = "") -> "SiteRequest":
     """What the user asked for this site: global options, then plan, then overrides
     by module pattern, by 'file:line', by index (each setting from the most specific)."""
-    pin = {}
+    pin, origin = {}, {}
+
+    def take(values: dict, where):
+      for name, value in values.items():
+        pin[name] = value
+        origin[name] = where(name) if callable(where) else where
+
     if self.plan is not None:
-      pin.update(self.plan.pin_for(index))
+      take(self.plan.pin_for(index), f"plan site #{index}")
     overrides = self.overrides or {}
-    pin.update(_pattern_pin(overrides, index, module))
+    patterns = {}
+    take(_pattern_pin(overrides, index, module, patterns),
+         lambda name: f"overrides[{patterns[name]!r}]")
     for key, value in overrides.items():
       if _key_kind(key) == "location" and _same_location(source, key):
-        pin.update(value)
+        take(value, f"overrides[{key!r}]")
     for key, value in overrides.items():
       if _key_kind(key) == "index" and key == index:
-        pin.update(value)
+        take(value, f"overrides[{key!r}]")
     return SiteRequest(
         rewrite=pin.get("rewrite"), dataflow=pin.get("dataflow"),
         algorithm=pin.get("algorithm", self.algorithm),
         ksplit=pin.get("ksplit", self.ksplit),
-        strict=self.strict or bool({"algorithm", "ksplit"} & set(pin)))
+        strict=self.strict or bool({"algorithm", "ksplit"} & set(pin)),
+        origin=tuple(sorted(origin.items())))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SiteRequest:
-  """The request for one site after merging options, plan and overrides."""
+  """The request for one site after merging options, plan and overrides.
+
+  `origin` says where each pinned setting came from, as (setting, where) pairs, e.g.
+  (("ksplit", "overrides[0]"),); settings from the global options are absent.
+  `pinned_by(name)` gives that text, for errors about a setting the site cannot honour.
+  """
   rewrite: bool | None = None
   algorithm: str | None = None
   dataflow: str | None = None
   ksplit: int | None = None
   strict: bool = False
+  # not compared: sites with the same request share one planning decision
+  origin: tuple = dataclasses.field(default=(), compare=False)
+
+  def pinned_by(self, name: str) -> str:
+    """Where setting `name` was pinned ("overrides[0]", "plan site #3"), "" if it was not
+    (the global options)."""
+    return dict(self.origin).get(name, "")
 
 
 _SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*args))"
@@ -193,10 +221,11 @@ def _module_matches(module: str, pattern: str) -> bool:
   return bool(module) and fnmatch.fnmatchcase(module, pattern)
 
 
-def _pattern_pin(overrides: dict, index: int, module: str) -> dict:
+def _pattern_pin(overrides: dict, index: int, module: str, origin=None) -> dict:
   """The merged pins of the module patterns matching `module`; an error when two of them
-  give one setting different values."""
-  pin, origin = {}, {}
+  give one setting different values. `origin` (filled in) maps each setting to its key."""
+  pin = {}
+  origin = {} if origin is None else origin
   for key, value in overrides.items():
     if _key_kind(key) != "module" or not _module_matches(module, key):
       continue

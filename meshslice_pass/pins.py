@@ -8,19 +8,34 @@ Example:
   Traceback (most recent call last):
   ...
   ValueError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow, ksplit, rewrite
+  >>> validate_pin("overrides[3]", {"ksplit": 0})
+  Traceback (most recent call last):
+  ...
+  ValueError: overrides[3]: ksplit must be a positive int (1 = no slicing) or None for automatic, got 0
 """
 from __future__ import annotations
+
+import difflib
 
 from meshslice.rewrites import ALGORITHMS
 
 PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite")
 
 
+def _did_you_mean(value, choices) -> str:
+  """"; did you mean 'x'?" for the nearest of `choices` to a mistyped str, else ""."""
+  if not isinstance(value, str):
+    return ""
+  close = ([c for c in choices if c.lower() == value.lower()]
+           or difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6))
+  return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def validate_algorithm(value, name: str = "algorithm",
                        unset: str = " (or None for automatic)") -> None:
   if value is not None and value not in ALGORITHMS:
     raise ValueError(f"{name} must be one of {', '.join(map(repr, ALGORITHMS))}{unset}, "
-                     f"got {value!r}")
+                     f"got {value!r}{_did_you_mean(value, ALGORITHMS)}")
 
 
 def validate_count(name: str, value, *, automatic_allowed: bool = False,
@@ -40,11 +55,14 @@ def validate_pin(where: str, pin) -> None:
                      f"{type(pin).__name__}")
   for name in pin:
     if name not in PIN_KEYS:
-      raise ValueError(f"{where} has unknown key {name!r}; allowed: {', '.join(PIN_KEYS)}")
-  validate_algorithm(pin.get("algorithm"))
-  validate_count("ksplit", pin.get("ksplit"), automatic_allowed=True)
+      hint = _did_you_mean(name, PIN_KEYS)
+      hint = f" (did you mean {hint[len('; did you mean '):-1]}?)" if hint else ""
+      raise ValueError(f"{where} has unknown key {name!r}{hint}; allowed: "
+                       f"{', '.join(PIN_KEYS)}")
+  validate_algorithm(pin.get("algorithm"), f"{where}: algorithm")
+  validate_count(f"{where}: ksplit", pin.get("ksplit"), automatic_allowed=True)
   if pin.get("dataflow") not in (None, "os", "ls", "rs"):
     raise ValueError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
-                     f"{pin['dataflow']!r}")
+                     f"{pin['dataflow']!r}{_did_you_mean(pin['dataflow'], ('os', 'ls', 'rs'))}")
   if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
     raise ValueError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")

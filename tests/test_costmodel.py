@@ -932,7 +932,7 @@ def test_topology_moves_the_decision():
                                                        "be > 0"),
     (lambda d: d["topology"].update(efficiency=[1, 1]), "field 'topology.efficiency' must be "
                                                         "3 numbers"),
-    (lambda d: d["topology"].update(hops=3), "field 'topology' has unknown keys ['hops']"),
+    (lambda d: d["topology"].update(hops=3), "field 'topology' has an unknown key 'hops'"),
     (lambda d: d["topology"].pop("kind"), "missing field 'topology.kind'"),
     (lambda d: d["topology"].update(dcn_bandwidth=-1), "field 'topology.dcn_bandwidth' must "
                                                        "be a number >= 0"),
