@@ -49,8 +49,11 @@ flagged `windowed_einsum`.
 Compute inside async collective fusions. With libtpu's async collective fusion
 (`--xla_tpu_enable_async_collective_fusion=true`), the compute that overlaps a collective
 is fused with the collective's continuation (`async_collective_fusion.N`, a kOutput
-fusion). On libtpu 0.0.42 such fusions carry their own estimated cycles; the start and
-done fusions do not (they issue and wait). Any dot-bearing fusion without an estimate
+fusion whose computation repeats the collective and whose operands are the start's
+outputs). Such a fusion is compute (`Op.continuation`; kind "dot" when it holds a dot,
+else "other", e.g. an attention softmax), never another collective: the collective is
+timed by its start / done pair. On libtpu 0.0.42 such fusions carry their own estimated
+cycles; the start and done fusions do not (they issue and wait). Any dot-bearing fusion without an estimate
 gets one from its FLOPs at the chip's peak (`Op.cycles_source == "flops"`), so nothing
 is silently free; compiling the same program a second time without the async flags
 gives the compiler's own estimate for the same work (`meshslice.aot` does both).
@@ -71,8 +74,21 @@ Simulation (`simulate`). One compute stream and one link stream per profile dim 
 Collective durations come from the project's ICI model (`timing.collective_time`,
 `permute_time`, `all_reduce_time` with the profile's bandwidths, hop latencies and
 overheads); a collective's link is profile dim 1 when its replica group is made of
-consecutive partitions (the minor mesh axis), else dim 0. Loops run their body
-trip-count times. Compute cycles are the compiler's (or FLOP-derived, see above).
+consecutive partitions (the minor mesh axis), else dim 0; a collective-permute's, when
+every set of partitions its source/target pairs connect is consecutive (shifts along
+the minor axis in either direction), else dim 0. Loops run their body trip-count
+times. Compute cycles are the compiler's (or FLOP-derived, see above).
+
+Links per collective. A mesh axis may span several torus dims, and `profile_for_mesh`
+sums their links; libtpu need not use them all. Each collective's backend config names
+the algorithm it chose (`Op.emitter`: "1DAllGatherNonMajorDim", "2DAllGatherOnMajorDim",
+"StrategyRing{colors:1 ...}", "UniDirectionNDRingStrategy{... cores:{4 4}}", ...), read
+as the torus dims it drives (`Op.ring_dims`); given `axis_dims` (the torus dims each
+profile dim's bandwidth sums: `axis_torus_dims(profile, mesh_shape)`), `simulate` gives
+the collective that share of the axis's bandwidth. Measured on libtpu 0.0.42: on
+v4:4x4x4 a 16-chip axis (two torus dims) gets 1D all-gathers and a single-ring
+reduce-scatter but a 2-dim all-reduce; on v4:2x2x2 the 4-chip axis gets 2D all-gathers.
+Async collective fusions name no algorithm (ring_dims 0): they keep the whole axis.
 
 Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   >>> text = '''
@@ -93,6 +109,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from typing import Iterator, Union
 
@@ -261,15 +278,57 @@ def _top_level_parts(type_text: str) -> list[str]:
   return [p for p in parts if p]
 
 
+def _mesh_device_ids(text: str, size: int):
+  """The partition ids of a `mesh[...]` replica group's `device_ids=(...)`: a flat list
+  of ints, or an iota `[a,b]<=[n]` / `<=[a,b]T(1,0)` form; None when absent or unread."""
+  text = text.strip()
+  iota = re.search(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+  if iota:
+    dims = [int(d) for d in iota.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(2):
+      ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+    ids = ids.ravel()
+  else:
+    ids = np.array([int(v) for v in re.findall(r"-?\d+", text)], dtype=np.int64)
+  return ids if ids.size == size else None
+
+
 def _replica_group(attrs: str, devices: int) -> tuple[int, ...]:
-  """The first replica group of a collective, as partition ids (empty if unknown)."""
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  """The first replica group of a collective, as partition ids (empty if unknown).
+
+  Forms read: `{{0,1},{2,3}}`, iota `[2,2]<=[4]T(1,0)`, `{}` (all devices), mesh axes
+  `mesh['x'=2,'y'=4] {'y'}` with an optional `device_ids=(...)` (the mesh's partition
+  ids in mesh order, printed when they are not 0..n-1; with or without quotes and a comma
+  after the mesh), and for collective-permutes the first source/target pair.
+  """
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*,?\s*"
+                   r"(?:device_ids=\((.*?)\)\s*)?\{([^}]*)\}", attrs)
   if mesh:
-    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))]
-    chosen = set(re.findall(r"'([^']+)'", mesh.group(2)))
-    ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes] or [1])
-    index = tuple(slice(None) if a in chosen else 0 for a, _ in axes)
-    return tuple(int(v) for v in ids[index].ravel())
+    axes = [(a, int(n)) for a, n in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh.group(1))]
+    shape = [n for _, n in axes] or [1]
+    ids = np.arange(math.prod(shape))
+    if mesh.group(2) is not None:
+      given = _mesh_device_ids(mesh.group(2), ids.size)
+      ids = given if given is not None else ids
+    ids = ids.reshape(shape)
+    # chosen axes: full ('y') or a sub-axis ('y':(p)k: the axis of size n seen as
+    # [p, k, n / (p k)] major to minor, the group varying the middle one)
+    chosen = {}
+    for name, sub in re.findall(r"'?([\w.\-]+)'?\s*(:\(\d+\)\d+)?", mesh.group(3)):
+      size = re.match(r":\((\d+)\)(\d+)", sub) if sub else None
+      chosen[name] = (int(size.group(1)), int(size.group(2))) if size else None
+    index = []
+    for a, n in axes:
+      if a not in chosen:
+        index.append(0)
+      elif chosen[a] is None:
+        index.append(slice(None))
+      else:
+        pre, k = chosen[a]
+        stride = max(1, n // (pre * k))
+        index.append(slice(0, stride * k, stride))
+    return tuple(int(v) for v in ids[tuple(index)].ravel())
   iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
   if iota:
     groups, size = int(iota.group(1)), int(iota.group(2))
@@ -287,6 +346,80 @@ def _replica_group(attrs: str, devices: int) -> tuple[int, ...]:
   if pairs:
     return (int(pairs.group(1)), int(pairs.group(2)))
   return ()
+
+
+def _source_target_pairs(attrs: str) -> tuple[tuple[int, int], ...]:
+  """All (source, target) pairs of a collective-permute."""
+  block = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+  if not block:
+    return ()
+  return tuple((int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}",
+                                                      block.group(0)[len("source_target_pairs="):]))
+
+
+def _permute_link(pairs) -> int:
+  """Profile dim of a collective-permute from its whole source/target set: 1 (the minor
+  mesh axis) when every group of partitions the pairs connect is a run of consecutive
+  ids (a shift along the minor axis, either direction: {0,1},{1,2},... or
+  {0,3},{1,0},{2,1},{3,2}), else 0 (partitions a row apart: the major axis)."""
+  parent = {}
+  def find(a):
+    while parent.setdefault(a, a) != a:
+      parent[a] = parent[parent[a]]
+      a = parent[a]
+    return a
+  for a, b in pairs:
+    if a != b:
+      parent[find(a)] = find(b)
+  groups = {}
+  for a in parent:
+    groups.setdefault(find(a), []).append(a)
+  if not groups:
+    return 0
+  consecutive = all(max(g) - min(g) == len(g) - 1 for g in groups.values())
+  return 1 if consecutive else 0
+
+
+_ALGO = re.compile(r'"collective_algorithm_config"\s*:\s*\{(.{0,4000})')
+
+
+def _strategy(attrs: str) -> tuple[str, int]:
+  """(emitter name, torus dims it drives) of a collective from libtpu's backend config.
+
+  Read from `"collective_algorithm_config":{"emitter":..., "strategy":..., "debug":...}`
+  (measured on libtpu 0.0.42, v4:4x4x4 and v4:2x2x2):
+
+    "1DAllGatherNonMajorDim[Imbalanced]"            1 (one bidirectional ring)
+    "2DAllGatherOnMajorDim"                         2
+    StrategyRing{colors:1 ... cores:{16}}           1 (a single ring, however many
+                                                      torus dims its chips span)
+    UniDirection1DRingStrategy{colors:2 cores:{4},{4}}   1 (two one-way rings = one
+                                                      bidirectional ring on one dim)
+    UniDirectionNDRingStrategy{colors:4 cores:{4 4},...} 2 (a ring per direction on each
+                                                      of the dims listed in one core set)
+    anything else (AllToAllEmitter, no config)      0 (unknown)
+  """
+  config = _ALGO.search(attrs)
+  if not config:
+    return "", 0
+  body = config.group(1)
+  emitter = re.search(r'"emitter"\s*:\s*"([^"]*)"', body)
+  strategy = re.search(r'"strategy"\s*:\s*"([^"]*)"', body)
+  name = (emitter.group(1) if emitter else "") + (
+      "/" + strategy.group(1) if strategy else "")
+  debug = re.search(r'"debug"\s*:\s*"([^"]*)"', body)
+  debug = debug.group(1) if debug else ""
+  dims = 0
+  lead = re.match(r"(\d)D", emitter.group(1)) if emitter else None
+  if lead:
+    dims = int(lead.group(1))
+  kind = strategy.group(1) if strategy else ""
+  if re.search(r"1DRing", kind) or kind == "StrategyRing":
+    dims = 1
+  elif re.search(r"NDRing", kind):
+    cores = re.search(r"cores:\{([0-9 ]+)\}", debug)
+    dims = len(cores.group(1).split()) if cores else 0
+  return name, dims
 
 
 # ----------------------------------------------------------------------------- data
@@ -313,6 +446,16 @@ class Op:
     between_cycles: for a start, the compute cycles scheduled between it and its done.
     relayout: for copies: operand and result layouts differ (not just memory space).
     flops: FLOPs of the dots inside (2 per multiply-add), 0 for non-dots.
+    emitter: for collectives, the algorithm libtpu chose (its backend config's
+      `collective_algorithm_config`: the emitter, and the strategy where it names one),
+      e.g. "1DAllGatherNonMajorDim", "RotatedPincerEmitter/UniDirection1DRingStrategy";
+      "" when the config names none.
+    continuation: a fusion holding the continuation of an async collective in flight
+      (with the async collective fusion flags): its cycles are compute (kind "dot" when
+      it has a dot, else "other"); the collective is timed by its start / done.
+    ring_dims: how many torus dims that algorithm drives at once (`_strategy`): 1 for
+      the 1D emitters and single rings, 2 for "2D..." emitters and N-D rings over two
+      dims; 0 when unknown (the collective is then priced on all the dims of its axis).
   """
 
   name: str
@@ -330,6 +473,9 @@ class Op:
   between_cycles: int = 0
   relayout: bool = False
   flops: float = 0.0
+  emitter: str = ""
+  ring_dims: int = 0
+  continuation: bool = False
 
   @property
   def group_size(self) -> int:
@@ -477,17 +623,20 @@ class _Reader:
       group = group if group else (0, 1)      # (source, target) of its first pair
       nbytes = _nbytes(result_type)
       moved = float(nbytes)
-      link = 1 if abs(group[1] - group[0]) == 1 else 0
+      pairs = _source_target_pairs(instr.attrs) or (tuple(group[:2]),)
+      link = _permute_link(pairs)
     else:
       nbytes = _nbytes(result_type)
       n = max(1, len(group))
       moved = {"all-gather": nbytes * (n - 1) / n, "all-to-all": nbytes * (n - 1) / n,
                "reduce-scatter": float(nbytes * (n - 1)),
                "all-reduce": 2 * nbytes * (n - 1) / n}[collective]
-      link = 1 if len(group) > 1 and all(b - a == 1 for a, b in zip(group, group[1:])) else 0
+      ids = sorted(group)         # a mesh group with device_ids may list them permuted
+      link = 1 if len(ids) > 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])) else 0
+    emitter, ring_dims = _strategy(instr.attrs)
     return Op(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=nbytes,
               collective=collective, group=tuple(group), moved_bytes=moved, link=link,
-              partner=partner)
+              partner=partner, emitter=emitter, ring_dims=ring_dims)
 
   def op(self, comp: _Computation, instr: _Instr) -> Op:
     opcode = instr.opcode
@@ -534,6 +683,12 @@ class _Reader:
           c = inner["collectives"][0]
           return _renamed(self.collective_op(c, "start" if start else "done", c.opcode,
                                     result_type=c.type_text), instr)
+      if inner["collectives"] and self._is_continuation(comp, instr):
+        # compute fused with the continuation of a collective in flight: the collective is
+        # timed by its start / done pair, this fusion's cycles are compute
+        op = Op(kind="dot" if inner["opcodes"] & {"convolution", "dot"} else "other",
+                flops=inner["flops"], continuation=True, **base)
+        return self._dot(op)
       if inner["collectives"] and not inner["opcodes"] & {"convolution", "dot"}:
         return self._collective_fusion(instr, inner["collectives"][0])
       if inner["opcodes"] & {"convolution", "dot"}:
@@ -541,6 +696,31 @@ class _Reader:
       if called and self._is_relayout_fusion(comp, instr, called[0]):
         return Op(kind="copy", relayout=True, **base)
     return Op(kind="other", **base)
+
+  def _is_continuation(self, comp: _Computation, instr: _Instr, depth: int = 0) -> bool:
+    """A fusion that continues an async collective fusion (libtpu's
+    `async_collective_fusion.N`): its computation is named so, or one of its operands
+    (through get-tuple-elements and bitcasts) is an `AsyncCollectiveStart` fusion or
+    another continuation."""
+    called = _called(instr).get("calls", [])
+    if called and called[0].startswith("async_collective_fusion"):
+      return True
+    if depth > 8:
+      return False
+    for name in instr.operands:
+      source = comp.instrs.get(name)
+      while source is not None and source.opcode in ("get-tuple-element", "bitcast") \
+          and source.operands:
+        source = comp.instrs.get(source.operands[0])
+      if source is None or source.opcode != "fusion":
+        continue
+      inner = _called(source).get("calls", [])
+      if inner and "AsyncCollectiveStart" in self.contents(inner[0])["targets"]:
+        return True
+      if inner and self.contents(inner[0])["collectives"] and \
+          self._is_continuation(comp, source, depth + 1):
+        return True
+    return False
 
   def _collective_fusion(self, instr: _Instr, inner: _Instr) -> Op:
     """A synchronous collective the TPU compiler wrapped in a fusion. The dense program's
@@ -662,8 +842,11 @@ def _int_constant(instr: _Instr | None) -> int | None:
 
 
 def _renamed(op: Op, instr: _Instr) -> Op:
-  """The collective found inside an async wrapper, named after the wrapper instruction."""
-  return dataclasses.replace(op, name=instr.name, opcode=instr.opcode)
+  """The collective found inside an async wrapper, named after the wrapper instruction
+  (and priced by the wrapper's algorithm where the inner collective names none)."""
+  emitter, ring_dims = (op.emitter, op.ring_dims) if op.emitter else _strategy(instr.attrs)
+  return dataclasses.replace(op, name=instr.name, opcode=instr.opcode, emitter=emitter,
+                             ring_dims=ring_dims)
 
 
 def _operand_names(comp: _Computation, name: str) -> tuple[str, ...]:
@@ -801,6 +984,158 @@ def summarize(schedule: Schedule | str) -> Summary:
                  windowed_einsum_loops=windowed)
 
 
+# ----------------------------------------------------------------------------- libtpu's own scheduler
+
+# Environment that makes libtpu log its latency-hiding scheduler's statistics on stderr
+# at compile time (set before libtpu loads, i.e. in a fresh process).
+SCHEDULER_LOG_ENV = {"TPU_VMODULE": "latency_hiding_scheduler=1",
+                     "TPU_STDERR_LOG_LEVEL": "0", "TPU_MIN_LOG_LEVEL": "0"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerTotals:
+  """What libtpu's latency-hiding scheduler logged for one computation it scheduled.
+
+  Units: the scheduler's own cost model ("cycles"), which is *not* the backend's
+  `estimated_cycles` (measured on libtpu 0.0.42, v4:2x2x2, docs/tpu.md "libtpu's
+  scheduler totals"): elementwise fusions come out at 0.8-0.96x their estimated cycles,
+  local bf16 dots at 1.5x (1024^3), 2.3x (2048^3), 6.1x (4096^3), 3.1x (8192^3), and an
+  all-gather at its operand bytes / 42.67 whatever the group size (2 or 4) or axis. So
+  the total is libtpu's ranking signal, not a step time.
+
+  Attributes:
+    module, computation: as logged ("jit_f(0)", "main.0_spmd").
+    cycles, wasted_cycles: "Total cycles" / "Total wasted cycles" after scheduling
+      (before scheduling: `cycles_before`, `wasted_before`).
+    wasted_by_kind: "Wasted cycles for <kind>" after scheduling (non-zero ones).
+    memory_peak_bytes: "Memory pressure peak (bytes)" after scheduling.
+  """
+
+  module: str
+  computation: str
+  cycles: float = 0.0
+  wasted_cycles: float = 0.0
+  cycles_before: float = 0.0
+  wasted_before: float = 0.0
+  wasted_by_kind: dict = dataclasses.field(default_factory=dict)
+  memory_peak_bytes: int = 0
+
+
+_LHS_LINE = re.compile(r"latency_hiding_scheduler\.cc:\d+\]\s*"
+                       r"(?:\[latency-hiding-scheduler\]\s*)?(.*)$")
+
+
+def read_scheduler_log(text: str) -> list[SchedulerTotals]:
+  """libtpu's latency-hiding-scheduler statistics in a compile's stderr (logged with
+  SCHEDULER_LOG_ENV), one SchedulerTotals per (module, computation), in log order.
+
+  Example:
+    >>> log = '''x latency_hiding_scheduler.cc:4337] Statistics after scheduling:
+    ... x latency_hiding_scheduler.cc:4341] For computation: main.0_spmd, module jit_f(0)
+    ... x latency_hiding_scheduler.cc:4341] Total wasted cycles: 171851
+    ... x latency_hiding_scheduler.cc:4341] Wasted cycles for all-gather: 171851
+    ... x latency_hiding_scheduler.cc:4341] Total cycles: 1.0357e+06'''
+    >>> t, = read_scheduler_log(log)
+    >>> t.computation, t.cycles, t.wasted_by_kind
+    ('main.0_spmd', 1035700.0, {'all-gather': 171851.0})
+  """
+  records, order, phase, key = {}, [], "after", None
+  for raw in text.splitlines():
+    match = _LHS_LINE.search(raw)
+    if not match:
+      continue
+    line = match.group(1).strip()
+    when = re.match(r"Statistics (before|after) scheduling", line)
+    if when:
+      phase, key = when.group(1), None
+      continue
+    comp = re.match(r"For computation:\s*([^,\s]+),?\s*(?:module\s+(\S+))?", line)
+    if comp:
+      key = (comp.group(2) or "", comp.group(1))
+      if key not in records:
+        records[key] = {"module": key[0], "computation": key[1], "wasted_by_kind": {}}
+        order.append(key)
+      continue
+    value = re.search(r":\s*([-+0-9.eE]+)\s*$", line)
+    if key is None or not value:
+      continue
+    rec, number = records[key], float(value.group(1))
+    if line.startswith("Total cycles"):
+      rec["cycles" if phase == "after" else "cycles_before"] = number
+    elif line.startswith("Total wasted cycles"):
+      rec["wasted_cycles" if phase == "after" else "wasted_before"] = number
+    elif line.startswith("Wasted cycles for") and phase == "after" and number:
+      rec["wasted_by_kind"][re.match(r"Wasted cycles for (.*?):", line).group(1)] = number
+    elif line.startswith("Memory pressure peak") and phase == "after":
+      rec["memory_peak_bytes"] = int(number)
+  return [SchedulerTotals(**records[k]) for k in order]
+
+
+def scheduler_cycles(log, entry: str | None = None) -> float | None:
+  """libtpu's scheduler "Total cycles" (after scheduling) for the entry computation of
+  one compile's log (text or `read_scheduler_log`'s list): the record named `entry` (the
+  HLO's ENTRY computation name) when present, else the last one logged; None when
+  nothing was logged (libtpu logs only computations with async work to schedule)."""
+  totals = read_scheduler_log(log) if isinstance(log, str) else list(log)
+  if not totals:
+    return None
+  named = [t for t in totals if entry is not None and t.computation == entry]
+  return (named or totals)[-1].cycles
+
+
+class capture_stderr:
+  """Collect what this process (libtpu included: it writes to file descriptor 2) prints
+  on stderr inside the `with` block, as `.text` afterwards.
+
+  libtpu logs its scheduler only when SCHEDULER_LOG_ENV was in the environment before it
+  loaded: use it in a fresh process (tests/test_tpu_schedule_reader.py does).
+
+  Example:
+    >>> with capture_stderr() as log:                              # doctest: +SKIP
+    ...   compiled = jax.jit(f).lower(*args).compile()
+    >>> scheduler_cycles(log.text)                                   # doctest: +SKIP
+  """
+
+  def __enter__(self):
+    import sys
+    import tempfile
+    sys.stderr.flush()
+    self._file = tempfile.TemporaryFile(mode="w+b")
+    self._saved = os.dup(2)
+    os.dup2(self._file.fileno(), 2)
+    self.text = ""
+    return self
+
+  def __exit__(self, *exc):
+    import sys
+    sys.stderr.flush()
+    os.dup2(self._saved, 2)
+    os.close(self._saved)
+    self._file.seek(0)
+    self.text = self._file.read().decode("utf-8", "replace")
+    self._file.close()
+    return False
+
+
+def axis_torus_dims(profile: HardwareProfile, mesh_shape) -> tuple[int, int] | None:
+  """How many torus dims mesh axes 0 and 1 span on the profile's topology (placed as
+  `profile_for_mesh` places them): the `axis_dims` of `simulate`. None for profiles
+  without a torus topology, or meshes of one axis.
+
+  Example:
+    >>> v4 = load_profile("tpu-v4")
+    >>> axis_torus_dims(v4, (64, 4)), axis_torus_dims(v4, (2, 4))
+    ((2, 1), (1, 2))
+  """
+  topology = getattr(profile, "topology", None)
+  mesh_shape = tuple(int(v) for v in mesh_shape)
+  if topology is None or topology.kind != "torus" or len(mesh_shape) < 2:
+    return None
+  from .topology import assign_axes
+  dims = assign_axes(topology, mesh_shape)
+  return tuple(max(1, len(d)) for d in dims[:2])
+
+
 # ----------------------------------------------------------------------------- simulation
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -826,30 +1161,55 @@ class Simulation:
   profile: str
 
 
-def collective_seconds(op: Op, profile: HardwareProfile) -> float:
-  """Duration of one collective op under the project's ICI model (timing.py)."""
+def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> float:
+  """Duration of one collective op under the project's ICI model (timing.py).
+
+  axis_dims: per profile dim, how many torus dims the profile's bandwidth for that dim
+    sums (`profile_for_mesh` adds the links of every torus dim a mesh axis spans;
+    `aot.analyze` passes the counts for its mesh). Given, a collective whose algorithm
+    drives fewer dims (`op.ring_dims`, from libtpu's emitter / strategy) gets that share
+    of the bandwidth: a 1D ring on an axis over two torus dims moves at half the axis's
+    summed rate. Latencies and overheads are unchanged; permutes are not scaled.
+
+  Example (a 1D all-gather on an axis that spans two torus dims):
+    >>> p = load_profile("tpu-v4")
+    >>> op = Op(name="ag", opcode="all-gather", kind="collective", bytes=4 * 2**21,
+    ...         collective="all-gather", group=(0, 1, 2, 3), link=1, ring_dims=1)
+    >>> full, one = collective_seconds(op, p), collective_seconds(op, p, (1, 2))
+    >>> round((one - 13e-6 - 15e-6) / (full - 13e-6 - 15e-6), 6)
+    2.0
+  """
   n = op.group_size
   if op.collective == "collective-permute":
     return permute_time(profile, op.link, op.bytes)
   if n <= 1:
     return 0.0
+  share = 1.0
+  if axis_dims and op.ring_dims:
+    spanned = axis_dims[min(op.link, len(axis_dims) - 1)] or 0
+    if spanned > op.ring_dims:
+      share = op.ring_dims / spanned
+  nbytes = op.bytes / share          # bytes / (bandwidth * share)
   if op.collective == "all-gather" or op.collective == "all-to-all":
-    return collective_time(profile, "all_gather", op.link, n, op.bytes / n)
+    return collective_time(profile, "all_gather", op.link, n, nbytes / n)
   if op.collective == "reduce-scatter":
-    return collective_time(profile, "reduce_scatter", op.link, n, op.bytes)
+    return collective_time(profile, "reduce_scatter", op.link, n, nbytes)
   if op.collective == "all-reduce":
-    return all_reduce_time(profile, op.link, n, op.bytes)
+    return all_reduce_time(profile, op.link, n, nbytes)
   return 0.0
 
 
 def simulate(schedule: Schedule | str, profile: HardwareProfile | str = "tpu-v4", *,
-             clock_hz: float | None = None) -> Simulation:
+             clock_hz: float | None = None, axis_dims=None) -> Simulation:
   """Walk the schedule: compiler cycles on one compute stream, collectives on one link
   stream per profile dim; async collectives overlap what runs between start and done,
   sync ones add (module docstring).
 
   profile: a HardwareProfile or a profile name (`load_profile`); its collective numbers
   time the collectives, its name picks the clock (CLOCK_HZ) unless clock_hz is given.
+  axis_dims: torus dims summed in each profile dim's bandwidth (`collective_seconds`):
+  collectives are priced by the algorithm libtpu chose for them; None: every collective
+  gets its axis's full bandwidth.
 
   Example:
     >>> sim = simulate(compiled.as_text(), "tpu-v4")               # doctest: +SKIP
@@ -866,21 +1226,21 @@ def simulate(schedule: Schedule | str, profile: HardwareProfile | str = "tpu-v4"
     clock_hz = CLOCK_HZ[profile.name]
   state = {"t": 0.0, "links": {0: 0.0, 1: 0.0}, "pending": {}, "compute": 0.0,
            "comm": 0.0, "sync": 0.0}
-  _run(schedule.entries, state, profile, clock_hz)
+  _run(schedule.entries, state, profile, clock_hz, axis_dims)
   t = max([state["t"]] + list(state["pending"].values()))
   return Simulation(step_s=t, compute_s=state["compute"], collective_s=state["comm"],
                     sync_collective_s=state["sync"], exposed_s=max(0.0, t - state["compute"]),
                     clock_hz=clock_hz, profile=profile.name)
 
 
-def _run(entries, state, profile, clock_hz):
+def _run(entries, state, profile, clock_hz, axis_dims=None):
   for e in entries:
     if isinstance(e, Loop):
       for _ in range(e.trip_count):
-        _run(e.body, state, profile, clock_hz)
+        _run(e.body, state, profile, clock_hz, axis_dims)
       continue
     if e.kind in ("collective", "start"):
-      seconds = collective_seconds(e, profile)
+      seconds = collective_seconds(e, profile, axis_dims)
       begin = max(state["t"], state["links"][e.link])
       end = begin + seconds
       state["links"][e.link] = end

@@ -263,10 +263,19 @@ class AotResult:
     summary: tpu_schedule.Summary (cycles, collectives, copies, loops).
     simulation: tpu_schedule.Simulation (predicted step time) under `profile`.
     peak_bytes: argument + output + temp - aliased bytes per device
-      (compiled.memory_analysis()).
+      (compiled.memory_analysis()): the project's formula, an upper bound.
     temp_bytes: the temp part of it.
     compile_s: compile seconds on this machine.
     flags: LIBTPU_INIT_ARGS in effect.
+    libtpu_peak_bytes: libtpu's own peak per device
+      (`memory_analysis().peak_memory_in_bytes`; 0 where it gives none): lower than
+      peak_bytes where buffers do not all live at once.
+    scheduler_cycles: libtpu's latency-hiding scheduler "Total cycles" for the entry
+      computation, read from the compile's stderr (`scheduler_log`); None without a log.
+      Its own cost model's units, not estimated cycles (tpu_schedule.SchedulerTotals).
+    scheduler_s: scheduler_cycles / the chip clock: nominal, for putting it beside
+      simulation.step_s; it ranks programs as libtpu's scheduler does, it is not a
+      measured step time.
   """
 
   summary: object
@@ -275,6 +284,9 @@ class AotResult:
   temp_bytes: int
   compile_s: float = 0.0
   flags: str = ""
+  libtpu_peak_bytes: int = 0
+  scheduler_cycles: float | None = None
+  scheduler_s: float | None = None
 
   def row(self) -> dict:
     """Plain figures, for JSON and tables."""
@@ -288,17 +300,26 @@ class AotResult:
             "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
             "ici_profile": sim.profile,
             "peak_bytes": self.peak_bytes, "temp_bytes": self.temp_bytes,
+            "libtpu_peak_bytes": self.libtpu_peak_bytes,
+            "scheduler_cycles": self.scheduler_cycles, "scheduler_s": self.scheduler_s,
             "compile_s": self.compile_s, "flags": self.flags}
 
 
 def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
-            mesh_shape=None) -> AotResult:
-  """Read a compiled TPU program: schedule summary, simulated step, peak memory.
+            mesh_shape=None, scheduler_log: str | None = None) -> AotResult:
+  """Read a compiled TPU program: schedule summary, simulated step, peak memory, and
+  libtpu's own figures beside them (its peak memory; its scheduler's total when the
+  compile's stderr is given).
 
   mesh_shape: the mesh's axis sizes (row, col). Given, the simulator times collectives
     with the profile's links derived for that mesh from its topology
-    (`costmodel.profile_for_mesh`): the ICI model the planner prices sites with. None:
-    the profile's own two dims (for tpu-v4, the original's measured constants).
+    (`costmodel.profile_for_mesh`): the ICI model the planner prices sites with, each
+    collective at the share of its axis's torus dims that libtpu's chosen algorithm
+    drives (`tpu_schedule.collective_seconds`, `axis_dims`). None: the profile's own two
+    dims (for tpu-v4, the original's measured constants), unscaled.
+  scheduler_log: the stderr of the process that compiled it, with libtpu's scheduler
+    logging on (`tpu_schedule.SCHEDULER_LOG_ENV` set before libtpu loaded; capture with
+    `tpu_schedule.capture_stderr()` around the compile, or from a subprocess).
 
   Example:
     >>> aot.analyze(compiled, "tpu-v4", mesh_shape=(32, 8)).simulation.step_s  # doctest: +SKIP
@@ -307,19 +328,30 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
   from .costmodel.profiles import load_profile
   base = load_profile(profile)
   prof = base if mesh_shape is None else profile_for_mesh(base, tuple(mesh_shape))
-  schedule = tpu_schedule.read_schedule(compiled.as_text(), chip=base.name)
+  text = compiled.as_text()
+  schedule = tpu_schedule.read_schedule(text, chip=base.name)
   mem = compiled.memory_analysis()
-  peak = temp = 0
+  peak = temp = libtpu_peak = 0
   if mem is not None:
     temp = int(mem.temp_size_in_bytes)
     peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    libtpu_peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
+  clock = tpu_schedule.CLOCK_HZ.get(base.name)
+  axis_dims = None if mesh_shape is None else tpu_schedule.axis_torus_dims(
+      base, tuple(mesh_shape))
+  lhs = None
+  if scheduler_log:
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
+    lhs = tpu_schedule.scheduler_cycles(scheduler_log, entry.group(1) if entry else None)
   return AotResult(summary=tpu_schedule.summarize(schedule),
-                   simulation=tpu_schedule.simulate(
-                       schedule, prof, clock_hz=tpu_schedule.CLOCK_HZ.get(base.name)),
+                   simulation=tpu_schedule.simulate(schedule, prof, clock_hz=clock,
+                                                    axis_dims=axis_dims),
                    peak_bytes=peak,
                    temp_bytes=temp, compile_s=compile_s,
-                   flags=os.environ.get("LIBTPU_INIT_ARGS", ""))
+                   flags=os.environ.get("LIBTPU_INIT_ARGS", ""),
+                   libtpu_peak_bytes=libtpu_peak, scheduler_cycles=lhs,
+                   scheduler_s=None if lhs is None or not clock else lhs / clock)
 
 
 def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = None) -> dict:
