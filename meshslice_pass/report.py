@@ -93,7 +93,12 @@ class Report:
     return sum(s.baseline_seconds or 0.0 for s in self.rewritten)
 
   def __str__(self) -> str:
-    mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items()) or "none"
+    # size-1 axes (MaxText's mesh has ten of them) shard nothing: named only by count
+    shown = {k: v for k, v in self.mesh_shape.items() if v != 1}
+    mesh = " x ".join(f"{k}={v}" for k, v in shown.items()) or "none"
+    if len(shown) < len(self.mesh_shape):
+      ones = len(self.mesh_shape) - len(shown)
+      mesh += f" (+{ones} {'axes' if ones > 1 else 'axis'} of size 1)"
     head = (f"meshslice report: mesh {mesh}"
             f"{', profile ' + self.profile if self.profile else ''}; {self.summary()}")
     cols = ("#", "source", "module", "dir", "where", "lhs", "rhs", "out", "plan", "pred us",

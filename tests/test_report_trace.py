@@ -39,3 +39,14 @@ def test_trace_spans_last_the_predicted_time_under_the_site_profile(tmp_path):
     # the base profile's fixed dims would have timed it differently
     plain = costmodel.schedule(site.problem, site.algorithm, flow, site.ksplit, base)
     assert abs(plain.cost().total_s - planned.cost().total_s) > 0.05 * planned.cost().total_s
+
+
+def test_report_head_names_only_the_axes_that_shard():
+  msh = mesh((1, 2, 1, 4), names=("data", "x", "stage", "y"))
+  s = NamedSharding(msh, P("x", "y"))
+  x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=s)
+  w = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=s)
+  report = meshslice.explain(lambda x, w: x @ w)(x, w)
+  assert report.mesh_shape == {"data": 1, "x": 2, "stage": 1, "y": 4}
+  assert str(report).splitlines()[0].startswith(
+      "meshslice report: mesh x=2 x y=4 (+2 axes of size 1), profile tpu-v4; 1 matmul: ")
