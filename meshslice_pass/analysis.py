@@ -75,14 +75,18 @@ def _explicit_spec(aval, axis_sizes):
 def _value_spec(value, ndim, ctx):
   """The layout of a concrete value the program holds (a constant the step closes over,
   or a literal): its own `jax.Array.sharding` when that is a NamedSharding over this
-  mesh's axes; anything else (numpy, a scalar, an uncommitted or single-device array)
-  is the same on every device, i.e. replicated."""
+  mesh's axes; numpy values, scalars and arrays on one device (or fully replicated) are
+  the same on every device, i.e. replicated; anything else is unknown (None)."""
   sharding = getattr(value, "sharding", None)
-  if isinstance(sharding, NamedSharding) and ndim:
+  if not ndim:
+    return S.replicated(0)
+  if isinstance(sharding, NamedSharding):
     if S.named_axes(sharding.spec) <= set(ctx.axis_sizes):
       return S.from_partition_spec(sharding.spec, ndim, ctx.axis_sizes)
     return None     # sharded over axes this mesh does not have: unknown
-  return S.replicated(ndim)
+  if sharding is None or getattr(sharding, "is_fully_replicated", False):
+    return S.replicated(ndim)
+  return None       # another kind of sharding (e.g. GSPMDSharding) that splits the value
 
 
 def _const_specs(jaxpr, consts, ctx):

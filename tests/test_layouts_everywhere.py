@@ -10,6 +10,8 @@
 Numerics are compared with plain jit *and* an unsharded single-device run (plain GSPMD
 is not a reference on its own: docs/DESIGN.md section 6).
 """
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,6 +137,9 @@ def test_constant_sharded_over_other_axes_is_unknown_not_replicated():
   assert A._value_spec(w, 2, A.Context(axis_sizes={"x": 2, "y": 4})) is None
   assert A._value_spec(w, 2, A.Context(axis_sizes={"a": 2, "b": 4})) == (("a",), ("b",))
   assert A._value_spec(np.ones((4, 4)), 2, A.Context(axis_sizes={"x": 2})) == ((), ())
+  # a sharding that is neither named nor replicated says nothing we can read
+  split = types.SimpleNamespace(sharding=types.SimpleNamespace(is_fully_replicated=False))
+  assert A._value_spec(split, 2, A.Context(axis_sizes={"x": 2})) is None
 
 
 def test_closed_over_weight_in_explicit_mode():
