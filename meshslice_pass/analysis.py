@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
@@ -77,9 +78,11 @@ def _value_spec(value, ndim, ctx):
   or a literal): its own `jax.Array.sharding` when that is a NamedSharding over this
   mesh's axes; numpy values, scalars and arrays on one device (or fully replicated) are
   the same on every device, i.e. replicated; anything else is unknown (None)."""
-  sharding = getattr(value, "sharding", None)
   if not ndim:
     return S.replicated(0)
+  if isinstance(value, jax.core.Tracer):
+    return None     # a value of an enclosing trace: its layout is not ours to read
+  sharding = getattr(value, "sharding", None)
   if isinstance(sharding, NamedSharding):
     if S.named_axes(sharding.spec) <= set(ctx.axis_sizes):
       return S.from_partition_spec(sharding.spec, ndim, ctx.axis_sizes)

@@ -140,6 +140,10 @@ def test_constant_sharded_over_other_axes_is_unknown_not_replicated():
   # a sharding that is neither named nor replicated says nothing we can read
   split = types.SimpleNamespace(sharding=types.SimpleNamespace(is_fully_replicated=False))
   assert A._value_spec(split, 2, A.Context(axis_sizes={"x": 2})) is None
+  # a value of an enclosing trace (transform called inside another jit) is unknown
+  seen = []
+  jax.jit(lambda a: seen.append(A._value_spec(a, 2, A.Context(axis_sizes={"a": 2}))))(w)
+  assert seen == [None]
 
 
 def test_closed_over_weight_in_explicit_mode():
