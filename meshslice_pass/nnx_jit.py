@@ -9,9 +9,9 @@ transformed jit: the splitting, merging and in-place updates stay NNX's own.
 
 Example:
   >>> step = nnx.jit(train_step)                        # doctest: +SKIP
-  >>> fast_step = meshslice.transform(step)             # still an nnx.jit wrapper
-  >>> loss = fast_step(model, optimizer, batch)         # model, optimizer updated
-  >>> fast_step.explain(model, optimizer, batch)        # the report
+  >>> fast_step = meshslice.transform(step)   # still an nnx.jit wrapper  # doctest: +SKIP
+  >>> loss = fast_step(model, optimizer, batch)   # updates them in place  # doctest: +SKIP
+  >>> fast_step.explain(model, optimizer, batch)  # the report            # doctest: +SKIP
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from . import analysis as A
 from . import planning
 from .backend_flags import overlap_note
 from . import specs as S
-from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, jit_params, known_value, rejit,
-                             trace_context, trace_state_clean)
+from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, jit_params,
+                             known_value, rejit, trace_context, trace_state_clean)
 from .emit import Emitter
 from .nnx_jit import is_nnx_jit, transform_nnx_jit
 from .options import Options, check_overrides
@@ -354,7 +354,7 @@ def transform(fn: Callable, **options) -> Transformed:
   overrides (pin single sites), plan (apply a saved plan); see `meshslice.Options`.
 
   Example:
-    >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)  # doctest: +SKIP
     >>> step = jax.jit(train_step, in_shardings=..., out_shardings=...)   # doctest: +SKIP
     >>> fast_step = meshslice.transform(step)                             # doctest: +SKIP
     >>> loss = fast_step(params, batch)                                   # doctest: +SKIP
