@@ -142,7 +142,9 @@ class CheckResult:
     names = ", ".join(l.path or "<out>" for l in off[:4]) + (", ..." if len(off) > 4 else "")
     head = (f"note: plain jax.jit itself is beyond tolerance of the unsharded reference on "
             f"{len(off)} output{'s' if len(off) > 1 else ''} ({names})")
-    if self.report.rewritten and all(l.vs_reference.ok for l in off):
+    if not self.report.rewritten:
+      return head + "; no site is rewritten, so that is plain jit's own error, not the pass's"
+    if all(l.vs_reference.ok for l in off):
       return (head + ", where the transformed program is within tolerance: likely a GSPMD "
               "partitioning bug in plain jit, not the pass")
     return (head + "; the transformed program is judged against plain jit's own distance. "
@@ -154,11 +156,20 @@ class CheckResult:
     judge = "unsharded reference" if self.reference == "ran" else "plain jit"
     n_rw, n = len(self.report.rewritten), len(self.report.sites)
     bad = [l for l in self.leaves if not l.ok]
-    by_distance = sum(l.ok and l.judged == "plain's distance" for l in self.leaves)
+    how = []
+    if self.reference == "ran":
+      by_distance = sum(l.ok and l.judged == "plain's distance" for l in self.leaves)
+      by_plain = sum(l.ok and l.judged == "plain" for l in self.leaves)
+      if not n_rw and by_plain:
+        how.append("no site rewritten")
+      if by_distance:
+        how.append(f"{by_distance} within plain jit's own distance to it")
+      if by_plain:
+        how.append(f"{by_plain} with plain jit")
     head = (f"meshslice.check: {'OK' if self.ok else 'DISAGREES'}: "
             f"{len(self.leaves) - len(bad)} of {len(self.leaves)} outputs agree with the "
-            f"{judge}" + (f" ({by_distance} within plain jit's own distance to it)"
-                          if by_distance else "") + f"; {n_rw} of {n} matmuls rewritten")
+            f"{judge}" + (f" ({', '.join(how)})" if how else "") +
+            f"; {n_rw} of {n} matmuls rewritten")
     lines = [head]
     if self.reference != "ran":
       lines.append(f"  (unsharded reference skipped: {self.reference})")
@@ -570,6 +581,8 @@ def _reference(closed, leaves, limit):
       outs = jax.jit(unsharded)(*[h.value for h in host])
   except _NoReference as e:
     return None, str(e)
+  except Exception as e:  # noqa: BLE001  (the check goes on, judged by plain jit)
+    return None, f"the unsharded run failed: {type(e).__name__}: {_shorten(e)}"
   return [_Host(np.asarray(o), aval.dtype) for o, aval in zip(outs, closed.out_avals)], ""
 
 

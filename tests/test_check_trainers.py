@@ -376,6 +376,12 @@ def test_check_with_no_site_rewritten_cannot_disagree_because_of_the_pass():
   assert len(result.report.rewritten) == 0
   assert result.ok, str(result)
   assert result.leaves[0].judged == "plain"
+  assert str(result).startswith("meshslice.check: OK: 2 of 2 outputs agree with the "
+                                "unsharded reference (no site rewritten, 2 with plain jit); "
+                                "0 of 0 matmuls rewritten")
+  assert str(result).endswith("note: plain jax.jit itself is beyond tolerance of the "
+                              "unsharded reference on 1 output ([0]); no site is rewritten, "
+                              "so that is plain jit's own error, not the pass's")
   # plain jit really is off the reference on the cancelling sum
   assert not result.leaves[0].plain_vs_reference.ok
   plain = float(jitted(v)[0])
