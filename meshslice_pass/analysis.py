@@ -361,6 +361,65 @@ def _resize(eqn, ins, outs, ctx, state, index):
   return [new_in] + ins[1:], [new_out]
 
 
+def _without_repeated_axes(entries, order):
+  """Drop a mesh axis from every entry after the first that uses it (visited in `order`):
+  one axis splits one dim."""
+  used, entries = set(), list(entries)
+  for d in order:
+    entries[d] = tuple(a for a in entries[d] if a not in used)
+    used.update(entries[d])
+  return tuple(entries)
+
+
+@rule("gather")
+def _gather(eqn, ins, outs, ctx, state, index):
+  """An embedding lookup and named-axis indexing, laid out as GSPMD lays them out: the
+  result's batch dims split like the indices' dims, its offset dims like the operand dims
+  they slice whole; the indices' layout also follows back from a known result."""
+  dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+  op_shape, idx_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+  out_shape = _shape(eqn.outvars[0])
+  batch_out = [d for d in range(len(out_shape)) if d not in dn.offset_dims]
+  kept = [d for d in range(len(op_shape))
+          if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+  if (dn.operand_batching_dims or len(batch_out) != len(idx_shape) - 1
+      or len(kept) != len(dn.offset_dims)):
+    return ins, outs                       # batched gathers: not modelled
+  new_out, new_idx = outs[0], ins[1]
+  if new_out is None and ins[0] is not None and ins[1] is not None:
+    entries = [()] * len(out_shape)
+    for k, d in enumerate(batch_out):
+      entries[d] = ins[1][k]
+    for j, d in enumerate(kept):
+      if sizes[d] == op_shape[d]:
+        entries[dn.offset_dims[j]] = ins[0][d]
+    new_out = _without_repeated_axes(entries, batch_out + list(dn.offset_dims))
+  if new_idx is None and outs[0] is not None:
+    new_idx = tuple(outs[0][d] for d in batch_out) + ((),)   # the index vector: whole
+  return [ins[0], new_idx] + ins[2:], [new_out]
+
+
+@rule("scatter-add", "scatter_add", "scatter")
+def _scatter(eqn, ins, outs, ctx, state, index):
+  """The gradient of a gather (and `.at[].set/add`): the result is laid out like the
+  operand it updates; with neither known, like the updates' window dims."""
+  merged = S.merge([ins[0], outs[0]])
+  dn = eqn.params["dimension_numbers"]
+  updates = ins[2] if len(ins) > 2 else None
+  if merged is None and updates is not None and not dn.operand_batching_dims:
+    op_shape, upd_shape = _shape(eqn.invars[0]), _shape(eqn.invars[2])
+    window = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims]
+    if len(window) == len(dn.update_window_dims):
+      entries = [()] * len(op_shape)
+      for d, u in zip(window, dn.update_window_dims):
+        if upd_shape[u] == op_shape[d]:
+          entries[d] = updates[u]
+      merged = _without_repeated_axes(entries, window)
+  if merged is None:
+    return ins, outs
+  return [merged] + ins[1:], [merged]
+
+
 @rule("dynamic_update_slice")
 def _dynamic_update_slice(eqn, ins, outs, ctx, state, index):
   merged = S.merge([ins[0], outs[0]])
