@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._jax_internals import jit_params, scan_counts
+from .nnx_jit import is_nnx_jit
 from .transform import Transformed, transform
 
 #: Tolerance per dtype (README "Numerics"): |a - b| <= tol * |b| + tol * max|b|. Complex
@@ -228,8 +229,15 @@ def check(fn: Callable, *, reference: bool = True, max_reference_bytes: int = 1 
   """
   if not callable(fn):
     raise TypeError(f"meshslice.check expects a callable as fn, got {type(fn).__name__}")
-  if isinstance(fn, Transformed):
+  if isinstance(fn, Transformed) or isinstance(getattr(fn, "jitted_fn", None), Transformed):
     raise TypeError("fn is already a meshslice.transform result; check the original")
+  if is_nnx_jit(fn):
+    raise TypeError(
+        "meshslice.check cannot run an nnx.jit step: each call updates its Modules in "
+        "place, and check runs the step several times on the same inputs. Check the "
+        "functional step instead: graphdef, state = nnx.split((model, optimizer)), then "
+        "meshslice.check(jax.jit(pure_step))(state, batch) with pure_step merging, "
+        "stepping and splitting again")
   tol = _tolerances(tolerance)
   transformed = transform(fn, **options)      # validates the options up front
   plain = fn if _is_jitted(fn) else jax.jit(fn)

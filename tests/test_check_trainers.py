@@ -472,3 +472,34 @@ def test_check_scan_reference_reads_scan_params_through_the_shim(monkeypatch):
   result = meshslice.check(step)(w, x)
   assert result.ok and result.reference == "ran", str(result)
   assert len(counted) >= 2          # the forward and the backward scan
+
+
+def test_check_rejects_an_nnx_jit_step_with_what_to_do():
+  nnx = pytest.importorskip("flax.nnx")
+  step = nnx.jit(lambda model, x: jnp.sum(model(x)))
+  with pytest.raises(TypeError, match="^" + re.escape(
+      "meshslice.check cannot run an nnx.jit step: each call updates its Modules in "
+      "place, and check runs the step several times on the same inputs. Check the "
+      "functional step instead: graphdef, state = nnx.split((model, optimizer)), then "
+      "meshslice.check(jax.jit(pure_step))(state, batch) with pure_step merging, "
+      "stepping and splitting again") + "$"):
+    meshslice.check(step)
+  # what the message suggests runs: the functional step, model state as a pytree
+  m = mesh((2, 4))
+  model = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  xs = NamedSharding(m, P("x", "y"))
+
+  def pure_step(state, x):
+    model = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(
+        lambda model: jnp.sum(jnp.sin(jax.lax.with_sharding_constraint(model(x), xs))))(model)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model), grads))
+    return loss, nnx.state(model)
+
+  state = jax.device_put(state, jax.tree.map(
+      lambda v: NamedSharding(m, P("x", "y") if v.ndim == 2 else P("y")), state))
+  result = meshslice.check(jax.jit(pure_step, donate_argnums=0))(state, _batch(xs))
+  assert result.ok and result.reference == "ran", str(result)
+  assert len(result.report.rewritten) >= 1, str(result)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
