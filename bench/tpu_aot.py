@@ -10,12 +10,19 @@ jax.checkpoint-ed layers), at GPT-3 (hidden 12288, 96 heads) or Megatron-NLG (20
 autotune --model M --chips P`), unless --mesh says otherwise. Variants, each compiled in
 its own process (libtpu reads its flags once per process):
 
-  plain      the user's jitted step, libtpu defaults (windowed einsum fires on big GEMMs)
-  dense      the same, --xla_tpu_enable_windowed_einsum_for_{all_gather,reduce_scatter}
-             =false: local GEMMs, synchronous collectives
-  meshslice  meshslice.transform(step) with the default plan, async collective flags
-             (meshslice.aot.ASYNC_FLAGS) so its sliced collectives can overlap
-  plain_async, dense_async   plain / dense with the async flags too (optional)
+  plain        the user's jitted step, libtpu defaults (windowed einsum fires on big GEMMs)
+  dense        the same, --xla_tpu_enable_windowed_einsum_for_{all_gather,reduce_scatter}
+               =false: local GEMMs, synchronous collectives
+  plain_async  plain with the async collective flags the rewrite gets
+  dense_async  dense with them
+  meshslice    meshslice.transform(step) with the default plan, with the generation's
+               async collective flags (meshslice.backend_flags.tpu_overlap_flags: no
+               all-gather continuation fusion on v4 / v5p / v6e, the MaxText group on
+               v5e; --meshslice_flags to change) so its sliced collectives can overlap
+
+The headline ("vs best XLA") is the rewrite's simulated step against the best of the four
+XLA variants at the same mesh. Every table states each variant's flags and the libtpu
+version.
 
 Figures per variant (per device, one step; loops times their trip counts):
   compute Mcyc   sum of the compiler's estimated cycles (dot + relayout copies + other)
@@ -49,8 +56,13 @@ from absl import app, flags
 _MODELS = flags.DEFINE_list("models", ["gpt3", "megatron"], "gpt3, megatron")
 _CHIPS = flags.DEFINE_list("chips", ["64", "256", "1024"], "chip counts")
 _GENERATIONS = flags.DEFINE_list("generations", ["v4"], "TPU generations: v4, v5p, v5e, v6e")
-_VARIANTS = flags.DEFINE_list("variants", ["plain", "dense", "meshslice"],
-                              "plain, dense, meshslice, plain_async, dense_async")
+_VARIANTS = flags.DEFINE_list("variants", ["plain", "dense", "plain_async", "dense_async",
+                                           "meshslice"],
+                              "plain, dense, plain_async, dense_async, meshslice")
+_MESHSLICE_FLAGS = flags.DEFINE_string(
+    "meshslice_flags", "async", "libtpu flag presets of the meshslice variant and of the "
+    "*_async XLA variants (meshslice.aot.preset_flags): async (the generation's), fusion "
+    "(MaxText's continuation-fusion group), safe_async")
 _MESH = flags.DEFINE_list("mesh", [], "mesh overrides as CHIPS:RxC, e.g. 256:32x8")
 _LAYERS = flags.DEFINE_integer("layers", 1, "layers in the step")
 _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "seconds per compile (each variant)")
@@ -61,20 +73,23 @@ _SAVE_HLO = flags.DEFINE_string("save_hlo", None, "write each compiled program's
                                 "(MODEL_CHIPS_MESH_VARIANT.hlo), to re-read it later without "
                                 "compiling: tpu_schedule.read_schedule(open(path).read())")
 
-VARIANTS = {   # name: (meshslice.transform?, libtpu flag presets of meshslice.aot)
-    "plain": (False, ()), "dense": (False, ("dense",)), "meshslice": (True, ("async",)),
-    "plain_async": (False, ("async",)), "dense_async": (False, ("dense", "async")),
-}
+def variant_flags(variant: str, generation: str, async_presets: str = "async") -> tuple:
+  """The libtpu flags of a variant (meshslice.aot.VARIANTS) on `generation`, its async
+  part from `async_presets`."""
+  from meshslice import aot
+  use_pass, presets = aot.VARIANTS[variant]
+  names = [n for p in presets for n in (async_presets.split(",") if p == "async" else [p])]
+  return aot.preset_flags(names, generation)
 
 
 def _worker(spec: dict) -> dict:
   """Compile one variant in this process and return its figures."""
   from meshslice import aot
-  use_pass, presets = VARIANTS[spec["variant"]]
-  aot.set_flags(*[f for p in presets for f in aot.FLAG_PRESETS[p]])
+  use_pass, _ = aot.VARIANTS[spec["variant"]]
+  gen, _ = aot.parse_topology(spec["topology"])
+  aot.set_flags(*variant_flags(spec["variant"], gen.name, spec.get("async", "async")))
   import jax
   jax.config.update("jax_platforms", "cpu")
-  gen, _ = aot.parse_topology(spec["topology"])
   mesh = aot.make_mesh(spec["topology"], spec["mesh"])
   step, params, data = aot.model_step(spec["model"], mesh, layers=spec["layers"])
   record = {}
@@ -95,6 +110,8 @@ def _worker(spec: dict) -> dict:
       f.write(compiled.as_text())
   record.update(aot.analyze(compiled, gen.profile, compile_s=seconds,
                             mesh_shape=spec["mesh"]).row())
+  from importlib.metadata import version
+  record["libtpu"] = version("libtpu")
   return record
 
 
@@ -128,7 +145,8 @@ def _mesh_for(model: str, chips: int, profile: str):
 
 
 COLUMNS = ("model", "chips", "topology", "mesh", "variant", "compute Mcyc", "dot Mcyc",
-           "copies", "coll GB", "WE loops", "step ms", "exposed ms", "peak GiB", "compile s")
+           "copies", "coll GB", "WE loops", "step ms", "exposed ms", "peak GiB", "compile s",
+           "vs best XLA")
 
 
 def _cells(r: dict) -> list[str]:
@@ -136,16 +154,45 @@ def _cells(r: dict) -> list[str]:
           r["variant"]]
   if "error" in r:
     return head + [r["error"]] + [""] * (len(COLUMNS) - len(head) - 1)
+  best = r.get("versus_best_xla")
   return head + [f"{r['compute_cycles'] / 1e6:.1f}", f"{r['dot_cycles'] / 1e6:.1f}",
                  str(r["relayout_copies"]), f"{r['collective_bytes'] / 1e9:.2f}",
                  str(r["windowed_einsum_loops"]), f"{r['step_s'] * 1e3:.2f}",
                  f"{r['exposed_s'] * 1e3:.2f}", f"{r['peak_bytes'] / 2**30:.2f}",
-                 f"{r['compile_s']:.0f}"]
+                 f"{r['compile_s']:.0f}",
+                 f"{best[2]:.3f}x ({best[0]})" if best else ""]
+
+
+def headline(records) -> list:
+  """Per (model, generation, chips, mesh): meshslice's record gets "versus_best_xla" =
+  (best XLA variant, its step seconds, its step / meshslice's: > 1 is faster)."""
+  from meshslice import aot
+  groups = {}
+  for r in records:
+    key = (r["model"], r.get("generation"), r["chips"], tuple(r["mesh"]))
+    groups.setdefault(key, {})[r["variant"]] = r
+  for rows in groups.values():
+    best = aot.versus_best_xla(rows)
+    if best is not None:
+      rows["meshslice"]["versus_best_xla"] = list(best)
+  return records
+
+
+def flag_lines(records) -> list:
+  """One line per (generation, variant, libtpu): the flags it was compiled with."""
+  seen = {}
+  for r in records:
+    seen.setdefault((r.get("generation"), r["variant"], r.get("libtpu", "?")),
+                    r.get("flags", ""))
+  return [f"- {gen} {variant} (libtpu {lib}): `{flags_ or '(libtpu defaults)'}`"
+          for (gen, variant, lib), flags_ in seen.items()]
 
 
 def markdown(records) -> str:
+  records = headline(list(records))
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   lines += ["| " + " | ".join(_cells(r)) + " |" for r in records]
+  lines += ["", "libtpu flags (LIBTPU_INIT_ARGS) per variant:", *flag_lines(records)]
   return "\n".join(lines)
 
 
@@ -157,9 +204,13 @@ def main(argv):
   from meshslice import aot
   if not aot.have_libtpu():
     raise app.UsageError("bench/tpu_aot.py needs libtpu: pip install -e '.[tpu]'")
-  unknown = [v for v in _VARIANTS.value if v not in VARIANTS]
+  unknown = [v for v in _VARIANTS.value if v not in aot.VARIANTS]
   if unknown:
-    raise app.UsageError(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    raise app.UsageError(f"--variants: unknown {unknown}; known: {', '.join(aot.VARIANTS)}")
+  try:
+    aot.preset_flags(_MESHSLICE_FLAGS.value, None)
+  except ValueError as e:
+    raise app.UsageError(f"--meshslice_flags: {e}")
   records = []
   for generation in _GENERATIONS.value:
     for model in _MODELS.value:
@@ -173,7 +224,8 @@ def main(argv):
         mesh = _mesh_for(model, chips, profile)
         for variant in _VARIANTS.value:
           spec = {"model": model, "topology": topology, "mesh": list(mesh),
-                  "variant": variant, "layers": _LAYERS.value, "save_hlo": _SAVE_HLO.value}
+                  "variant": variant, "layers": _LAYERS.value, "save_hlo": _SAVE_HLO.value,
+                  "async": _MESHSLICE_FLAGS.value}
           record = dict(spec, chips=chips, generation=generation, **_run_variant(spec))
           records.append(record)
           print(" | ".join(_cells(record)), flush=True)

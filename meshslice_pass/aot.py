@@ -43,17 +43,36 @@ import re
 import sys
 import time
 
-# libtpu's recommended flags for overlapping collectives with compute (DESIGN.md 6b,
-# docs/tpu.md): async collective fusion, including all-gathers, over several steps.
-ASYNC_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true",
-               "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
-               "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
-               "--xla_tpu_overlap_compute_collective_tc=true",
-               "--xla_enable_async_all_gather=true")
-# XLA's windowed einsum (collective matmul) off: the "dense" program.
-DENSE_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
-               "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
-FLAG_PRESETS = {"default": (), "async": ASYNC_FLAGS, "dense": DENSE_FLAGS}
+# The libtpu flag constants live in backend_flags (one table per TPU generation,
+# docs/tpu.md); the old names stay here. ASYNC_FLAGS: MaxText's CF_FOR_ALL_GATHER group
+# (all-gather continuation fusion: safe on v5e only).
+from .backend_flags import CONTINUATION_FUSION_FLAGS as ASYNC_FLAGS  # noqa: E402
+from .backend_flags import (DENSE_FLAGS, SAFE_ASYNC_FLAGS,  # noqa: E402,F401
+                            tpu_overlap_flags, unsafe_flags)
+# Generation-independent presets (legacy: "async" is the continuation-fusion group). For
+# a topology use `preset_flags`, where "async" is the generation's own set.
+FLAG_PRESETS = {"default": (), "async": ASYNC_FLAGS, "fusion": ASYNC_FLAGS,
+                "safe_async": SAFE_ASYNC_FLAGS, "dense": DENSE_FLAGS}
+
+
+def preset_flags(presets, generation: str | None) -> tuple:
+  """The libtpu flags of preset names (a comma-separated string or a sequence) for a TPU
+  generation: "default" (none), "async" (the generation's async collective flags,
+  `backend_flags.tpu_overlap_flags`: no all-gather continuation fusion on v4 / v5p /
+  v6e), "fusion" (the continuation-fusion group, `ASYNC_FLAGS`), "safe_async", "dense"
+  (windowed einsum off).
+
+  Example:
+    >>> preset_flags("dense,async", "v4")[-1]
+    '--xla_enable_async_all_gather=true'
+  """
+  names = [p.strip() for p in presets.split(",")] if isinstance(presets, str) else presets
+  out = []
+  for name in (n for n in names if n):
+    if name not in FLAG_PRESETS:
+      raise ValueError(f"unknown libtpu flag preset {name!r}; known: {', '.join(FLAG_PRESETS)}")
+    out += tpu_overlap_flags(generation) if name == "async" else FLAG_PRESETS[name]
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -466,10 +485,43 @@ _ROWS = (("compute cycles (M)", lambda r: r["compute_cycles"] / 1e6, "{:.1f}"),
          ("compile time (s)", lambda r: r["compile_s"], "{:.0f}"))
 
 
+# The programs compared, each under its own libtpu flags (presets of `preset_flags`):
+# XLA's plain and dense programs with libtpu defaults and with the async flags the
+# rewrite gets, and the rewrite. The headline is the rewrite against the best of the four.
+VARIANTS = {   # name: (meshslice.transform?, flag presets)
+    "plain": (False, ("default",)), "dense": (False, ("dense",)),
+    "plain_async": (False, ("async",)), "dense_async": (False, ("dense", "async")),
+    "meshslice": (True, ("async",)),
+}
+XLA_VARIANTS = ("plain", "dense", "plain_async", "dense_async")
+
+
+def variant_flags(variant: str, generation: str | None) -> tuple:
+  """The libtpu flags `variant` (a `VARIANTS` name) compiles with on `generation`."""
+  if variant not in VARIANTS:
+    raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+  return preset_flags(VARIANTS[variant][1], generation)
+
+
+def versus_best_xla(rows: dict, key: str = "step_s"):
+  """(best XLA variant name, its `key`, meshslice's `key` / ... ratio: > 1 is meshslice
+  faster) among the XLA variants present in `rows` ({variant: row dict}); None when
+  meshslice or every XLA variant is missing (or failed)."""
+  ok = lambda r: isinstance(r, dict) and isinstance(r.get(key), (int, float)) and r[key] > 0
+  xla = {n: r[key] for n, r in rows.items() if n in XLA_VARIANTS and ok(r)}
+  if not xla or not ok(rows.get("meshslice")):
+    return None
+  best = min(xla, key=lambda n: (xla[n], n))
+  return best, xla[best], xla[best] / rows["meshslice"][key]
+
+
 def format_table(results: dict) -> str:
-  """Side-by-side table of {variant: AotResult} (ratio column for two variants)."""
+  """Side-by-side table of {variant: AotResult or row dict} (ratio column for two
+  variants), each column's libtpu flags under it, and meshslice against the best XLA
+  variant when both are there."""
   names = list(results)
-  rows = {n: results[n].row() for n in names}
+  rows = {n: (results[n] if isinstance(results[n], dict) else results[n].row())
+          for n in names}
   lines = [["", *names] + (["ratio"] if len(names) == 2 else [])]
   for label, get, fmt in _ROWS:
     values = [get(rows[n]) for n in names]
@@ -479,16 +531,44 @@ def format_table(results: dict) -> str:
       line.append(f"{b / a:.2f}x" if isinstance(a, (int, float)) and a else "")
     lines.append(line)
   widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
-  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(l, widths))) for l in lines)
+  text = [ "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(l, widths))) for l in lines]
+  text.append("libtpu flags (LIBTPU_INIT_ARGS):")
+  text += [f"  {n}: {rows[n].get('flags') or '(libtpu defaults)'}" for n in names]
+  best = versus_best_xla(rows)
+  if best is not None:
+    name, seconds, ratio = best
+    text.append(f"meshslice vs the best XLA variant ({name}, {seconds * 1e3:.3f} ms): "
+                f"{ratio:.3f}x ({'faster' if ratio > 1 else 'not faster'})")
+  return "\n".join(text)
+
+
+def _variant_worker(args, gen, shape, options) -> int:
+  """Compile one variant in this process under its flags, print its report (meshslice)
+  and write its row as JSON to args.json."""
+  import json
+  use_pass, _ = VARIANTS[args.variant]
+  set_flags(*(preset_flags(args.flags, gen.name) if use_pass
+              else variant_flags(args.variant, gen.name)))
+  import jax
+  jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
+  results = compare(args.model, args.topology, shape, layers=args.layers, batch=args.batch,
+                    variants=("meshslice" if use_pass else "plain",), echo=print, **options)
+  row = next(iter(results.values())).row()
+  with open(args.json, "w") as f:
+    json.dump(row, f)
+  return 0
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m meshslice aot",
       description="Compile a transformer training step for a TPU topology ahead of time "
-                  "(libtpu, no TPU needed) plain and meshslice-transformed, and print what "
-                  "the compiler made of each side by side.")
+                  "(libtpu, no TPU needed): XLA's plain and dense programs, each with "
+                  "libtpu defaults and with the async collective flags, and the "
+                  "meshslice-transformed step, each in its own process; print what the "
+                  "compiler made of each side by side, and the rewrite against the best "
+                  "XLA variant.")
   parser.add_argument("--model", default="gpt3", choices=["gpt3", "megatron"])
   parser.add_argument("--topology", required=True,
                       help="TPU topology, e.g. v4:2x2x2, v4:8x8x4 (256 chips), v5e:16x16")
@@ -496,15 +576,22 @@ def main(argv=None) -> int:
   parser.add_argument("--layers", type=int, default=1, help="layers in the step")
   parser.add_argument("--batch", type=int, default=None,
                       help="sequences per step (default: one per chip)")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="programs to compile, comma-separated, from: "
+                           + ", ".join(VARIANTS) + " (default: all)")
   parser.add_argument("--flags", default="async",
-                      help="libtpu flag presets, comma-separated: default (none), async "
-                           "(overlap collectives; recommended for meshslice), dense "
-                           "(windowed einsum off); default: async")
+                      help="libtpu flag presets for the meshslice variant, comma-separated: "
+                           "default (none), async (the generation's async collective flags: "
+                           "no all-gather continuation fusion on v4/v5p/v6e, docs/tpu.md), "
+                           "fusion (MaxText's continuation-fusion group), safe_async, dense "
+                           "(windowed einsum off); default: async. The XLA variants use "
+                           "defaults / dense, each also with async")
   parser.add_argument("--profile", default=None,
                       help="hardware profile for planning and the simulator (default: the "
                            "topology's generation)")
   parser.add_argument("--ksplit", default="auto", help="slices per site, or auto")
   parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+  parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)   # internal
   args = parser.parse_args(argv)
   try:
     gen, _ = parse_topology(args.topology)
@@ -513,32 +600,59 @@ def main(argv=None) -> int:
       raise ValueError
   except ValueError as e:
     parser.error(str(e) if str(e) else f"--mesh must be RxC, got {args.mesh!r}")
-  presets = [p.strip() for p in args.flags.split(",") if p.strip()]
-  unknown = [p for p in presets if p not in FLAG_PRESETS]
-  if unknown:
-    parser.error(f"--flags: unknown preset(s) {unknown}; known: {', '.join(FLAG_PRESETS)}")
+  try:
+    meshslice_flags = preset_flags(args.flags, gen.name)
+  except ValueError as e:
+    parser.error(f"--flags: {e}")
+  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown or not variants:
+    parser.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
   if not have_libtpu():
     print("python -m meshslice aot needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
     return 2
-  set_flags(*[f for p in presets for f in FLAG_PRESETS[p]])
   options = {"profile": args.profile or gen.profile}
   if args.ksplit != "auto":
     if not args.ksplit.isdigit() or int(args.ksplit) < 1:
       parser.error(f"--ksplit must be a positive int or 'auto', got {args.ksplit!r}")
     options.update(ksplit=int(args.ksplit), algorithm="meshslice")
-  import jax
-  jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
+  if args.variant is not None:
+    return _variant_worker(args, gen, shape, options)
+  import json
+  import subprocess
+  import tempfile
+  flags_of = {v: meshslice_flags if VARIANTS[v][0] else variant_flags(v, gen.name)
+              for v in variants}
   print(f"{args.model} step ({args.layers} layer(s), fwd+bwd) on {args.topology} as a "
-        f"{args.mesh} mesh, libtpu flags: {','.join(presets) or 'none'}", flush=True)
-  try:
-    results = compare(args.model, args.topology, shape, layers=args.layers,
-                      batch=args.batch, echo=print, **options)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(format_table(results))
+        f"{args.mesh} mesh; each variant compiled in its own process with its libtpu "
+        "flags:", flush=True)
+  for v in variants:
+    print(f"  {v}: {' '.join(flags_of[v]) or '(libtpu defaults)'}", flush=True)
+  rows = {}
+  passthrough = [f"--model={args.model}", f"--topology={args.topology}",
+                 f"--mesh={args.mesh}", f"--layers={args.layers}", f"--flags={args.flags}",
+                 f"--ksplit={args.ksplit}"]
+  passthrough += [f"--batch={args.batch}"] if args.batch else []
+  passthrough += [f"--profile={args.profile}"] if args.profile else []
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.pop("LIBTPU_INIT_ARGS", None)
+  for v in variants:
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, "row.json")
+      proc = subprocess.run([sys.executable, "-m", "meshslice", "aot", *passthrough,
+                             f"--variant={v}", f"--json={out}"], env=env, text=True,
+                            capture_output=True)
+      if v == "meshslice" or proc.returncode:
+        print(proc.stdout, end="", flush=True)
+      if proc.returncode or not os.path.exists(out):
+        print(f"error: variant {v} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
+              file=sys.stderr)
+        return 2
+      with open(out) as f:
+        rows[v] = json.load(f)
+  print(format_table(rows))
   if args.json:
-    import json
     with open(args.json, "w") as f:
-      json.dump({k: v.row() for k, v in results.items()}, f, indent=1)
+      json.dump(rows, f, indent=1)
   return 0

@@ -1,13 +1,31 @@
-"""Whether the backend a program will run on is set up to overlap sliced collectives.
+"""Which compiler flags let sliced collectives overlap the matmuls, per TPU generation,
+and whether the backend a program will run on has them.
 
 Slicing only pays when the compiler runs each slice's collective asynchronously beside
 the previous slice's matmul. On TPU that takes libtpu's async collective flags, on GPU
 XLA's latency-hiding scheduler (docs/tpu.md); both are read once, when the backend
-starts. The report says when they are missing.
+starts. The report says when they are missing, and when a flag the newest libtpu calls
+unsafe for the mesh's TPU generation is set.
+
+The flags per generation (`tpu_overlap_flags`; measured on libtpu 0.0.42.1 and 0.0.50.1,
+docs/tpu.md "Flags per generation"):
+
+    v5e            CONTINUATION_FUSION_FLAGS: MaxText's CF_FOR_ALL_GATHER group, async
+                   collective fusion including all-gather continuation fusion (libtpu
+                   fuses so on v5e by default)
+    v4, v5p, v6e   SAFE_ASYNC_FLAGS: the same group with all-gather continuation fusion
+                   off. libtpu 0.0.50.1 refuses continuation fusion for all-gathers on
+                   these chips ("not supported/recommended on platforms other than TPU
+                   v5e ... incorrect results, hang, SDC"); --xla_enable_async_all_gather
+                   gives all-gather-start/-done pairs instead (on v4)
 
 Example:
-  >>> missing_overlap_flags("tpu", {"LIBTPU_INIT_ARGS": ""})[:2]
-  ('--xla_tpu_enable_async_collective_fusion=true', '--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true')
+  >>> tpu_overlap_flags("v4")[-1], tpu_overlap_flags("v5e") == CONTINUATION_FUSION_FLAGS
+  ('--xla_enable_async_all_gather=true', True)
+  >>> missing_overlap_flags("tpu", {"LIBTPU_INIT_ARGS": ""}, generation="v4")[:2]
+  ('--xla_tpu_enable_async_collective_fusion=true', '--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false')
+  >>> unsafe_flags("v4", CONTINUATION_FUSION_FLAGS)
+  ('--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true',)
   >>> missing_overlap_flags("cpu", {})
   ()
 """
@@ -15,35 +33,126 @@ from __future__ import annotations
 
 import os
 
-from jax.sharding import Mesh
+# MaxText's CF_FOR_ALL_GATHER group: async collective fusion, all-gathers included
+# (continuation fusion), over several steps. Safe on v5e only (module docstring).
+CONTINUATION_FUSION_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true")
+# The same group without all-gather continuation fusion: what libtpu 0.0.50.1 accepts on
+# v4, v5p and v6e (fuse_all_gather=false is spelled out, so a changed default cannot
+# turn it back on). Also accepted by libtpu 0.0.42.1.
+SAFE_ASYNC_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true")
+# XLA's windowed einsum (collective matmul) off: the "dense" program.
+DENSE_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
+               "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+# The flag libtpu 0.0.50.1 refuses outside v5e.
+_UNSAFE_OFF_V5E = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
 
-from .aot import ASYNC_FLAGS as TPU_OVERLAP_FLAGS
-
+# Async collective flags to compile and run with, per TPU generation (module docstring).
+TPU_ASYNC_FLAGS = {"v4": SAFE_ASYNC_FLAGS, "v5p": SAFE_ASYNC_FLAGS,
+                   "v5e": CONTINUATION_FUSION_FLAGS, "v6e": SAFE_ASYNC_FLAGS}
+# A TPU of unknown generation gets the flags that are safe everywhere they were tried.
+TPU_OVERLAP_FLAGS = SAFE_ASYNC_FLAGS
 GPU_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
 _VARIABLE = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
 
+# jax device_kind -> generation (compile-only topologies and real chips)
+_DEVICE_KINDS = {"tpu v4": "v4", "tpu v5": "v5p", "tpu v5p": "v5p", "tpu v5 lite": "v5e",
+                 "tpu v5e": "v5e", "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
 
-def missing_overlap_flags(platform: str, environ=None) -> tuple:
-  """The overlap flags `platform` ("tpu", "gpu", "cuda", "rocm") lacks in `environ`."""
+
+def tpu_generation(device_kind: str) -> str | None:
+  """The TPU generation ("v4", "v5p", "v5e", "v6e") of a jax device_kind, or None.
+
+  Example:
+    >>> tpu_generation("TPU v5 lite"), tpu_generation("TPU v4"), tpu_generation("cpu")
+    ('v5e', 'v4', None)
+  """
+  return _DEVICE_KINDS.get(str(device_kind).strip().lower())
+
+
+def tpu_overlap_flags(generation: str | None) -> tuple:
+  """The async collective flags recommended for (and compiled with on) a TPU generation;
+  None or an unknown generation: `TPU_OVERLAP_FLAGS` (the safe set)."""
+  return TPU_ASYNC_FLAGS.get(generation, TPU_OVERLAP_FLAGS)
+
+
+def unsafe_flags(generation: str | None, flags) -> tuple:
+  """The flags of `flags` (a LIBTPU_INIT_ARGS string or a sequence) that the newest
+  libtpu refuses on `generation` as unsafe (all-gather continuation fusion off v5e)."""
+  given = flags.split() if isinstance(flags, str) else list(flags)
+  if generation == "v5e" or generation is None:
+    return ()
+  return tuple(f for f in given if f == _UNSAFE_OFF_V5E)
+
+
+def flags_in_effect(environ=None) -> str:
+  """LIBTPU_INIT_ARGS of this process (what libtpu compiles with)."""
+  environ = os.environ if environ is None else environ
+  return environ.get(_VARIABLE["tpu"], "")
+
+
+def windowed_einsum_off(flags) -> frozenset:
+  """Which collectives XLA's windowed einsum is turned off for by `flags` (a
+  LIBTPU_INIT_ARGS string): a subset of {"all_gather", "reduce_scatter"}.
+
+  Example:
+    >>> sorted(windowed_einsum_off(" ".join(DENSE_FLAGS)))
+    ['all_gather', 'reduce_scatter']
+  """
+  given = flags.split() if isinstance(flags, str) else list(flags)
+  off = set()
+  for kind in ("all_gather", "reduce_scatter"):
+    key = f"--xla_tpu_enable_windowed_einsum_for_{kind}"
+    values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in given
+              if f.split("=", 1)[0] == key]
+    if values and values[-1] in ("false", "0"):
+      off.add(kind)
+  return frozenset(off)
+
+
+def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tuple:
+  """The overlap flags `platform` ("tpu", "gpu", "cuda", "rocm") lacks in `environ`;
+  for TPU those of `generation` (`tpu_overlap_flags`)."""
   platform = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
   if platform not in _VARIABLE:
     return ()
   environ = os.environ if environ is None else environ
   given = set(environ.get(_VARIABLE[platform], "").split())
-  wanted = TPU_OVERLAP_FLAGS if platform == "tpu" else GPU_OVERLAP_FLAGS
+  wanted = tpu_overlap_flags(generation) if platform == "tpu" else GPU_OVERLAP_FLAGS
   return tuple(flag for flag in wanted if flag not in given)
 
 
 def overlap_note(sites, mesh, environ=None) -> tuple:
-  """A report note when sliced sites will run on a backend without its overlap flags."""
+  """Report notes when sliced sites will run on a backend without its overlap flags,
+  or (TPU) with a flag the newest libtpu refuses on the mesh's generation."""
+  from jax.sharding import Mesh
   if not isinstance(mesh, Mesh) or not any(s.rewritten and (s.ksplit or 1) > 1
                                            for s in sites):
     return ()        # an AbstractMesh has no devices: the backend is not known here
-  platform = getattr(mesh.devices.flat[0], "platform", "")
-  missing = missing_overlap_flags(platform, environ)
-  if not missing:
-    return ()
-  variable = _VARIABLE["gpu" if platform in ("gpu", "cuda", "rocm") else platform]
-  return (f"sliced collectives overlap the matmuls on {platform.upper()} only with "
-          f"{' '.join(missing)} in {variable} (set before jax starts; docs/tpu.md); "
-          "without them the slices run one after another",)
+  device = mesh.devices.flat[0]
+  platform = getattr(device, "platform", "")
+  generation = tpu_generation(getattr(device, "device_kind", "")) if platform == "tpu" else None
+  notes = []
+  missing = missing_overlap_flags(platform, environ, generation=generation)
+  if missing:
+    variable = _VARIABLE["gpu" if platform in ("gpu", "cuda", "rocm") else platform]
+    chip = f"TPU {generation}" if generation else platform.upper()
+    notes.append(f"sliced collectives overlap the matmuls on {chip} only with "
+                 f"{' '.join(missing)} in {variable} (set before jax starts; docs/tpu.md); "
+                 "without them the slices run one after another")
+  if platform == "tpu":
+    unsafe = unsafe_flags(generation, flags_in_effect(environ))
+    if unsafe:
+      notes.append(f"{' '.join(unsafe)} (all-gather continuation fusion) is set, which the "
+                   f"newest libtpu refuses on TPU {generation} as unsafe (incorrect results, "
+                   f"hangs); use {' '.join(tpu_overlap_flags(generation))} (docs/tpu.md)")
+  return tuple(notes)

@@ -34,8 +34,10 @@ def test_tpu_report_names_the_missing_libtpu_flags(monkeypatch):
   tpu = aot.make_mesh("v4:2x2x1", (2, 2))
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
   note, = _explain_sliced(tpu, ksplit=2).notes
-  assert note.startswith("sliced collectives overlap the matmuls on TPU only with "
-                         "--xla_tpu_enable_async_collective_fusion=true")
+  # the mesh's generation is named, and its flags (v4: no all-gather continuation fusion)
+  assert note.startswith("sliced collectives overlap the matmuls on TPU v4 only with "
+                         "--xla_tpu_enable_async_collective_fusion=true "
+                         "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false")
   assert "in LIBTPU_INIT_ARGS (set before jax starts; docs/tpu.md)" in note
   assert _explain_sliced(tpu, ksplit=1).notes == ()            # nothing sliced
   monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(TPU_OVERLAP_FLAGS))
