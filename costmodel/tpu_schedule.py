@@ -88,7 +88,9 @@ profile dim's bandwidth sums: `axis_torus_dims(profile, mesh_shape)`), `simulate
 the collective that share of the axis's bandwidth. Measured on libtpu 0.0.42: on
 v4:4x4x4 a 16-chip axis (two torus dims) gets 1D all-gathers and a single-ring
 reduce-scatter but a 2-dim all-reduce; on v4:2x2x2 the 4-chip axis gets 2D all-gathers.
-Async collective fusions name no algorithm (ring_dims 0): they keep the whole axis.
+Async collective fusions name no algorithm: they take the one libtpu chose for a
+collective of the same kind over the same group shape elsewhere in the program
+(`Op.ring_dims_source == "same-axis"`), else (none) keep the whole axis.
 
 Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   >>> text = '''
@@ -456,6 +458,9 @@ class Op:
     ring_dims: how many torus dims that algorithm drives at once (`_strategy`): 1 for
       the 1D emitters and single rings, 2 for "2D..." emitters and N-D rings over two
       dims; 0 when unknown (the collective is then priced on all the dims of its axis).
+    ring_dims_source: "config" (its own backend config), "same-axis" (it names none, as
+      async collective fusions do: taken from a collective of the same kind over the same
+      group shape in the program that names one), or "" (unknown).
   """
 
   name: str
@@ -475,6 +480,7 @@ class Op:
   flops: float = 0.0
   emitter: str = ""
   ring_dims: int = 0
+  ring_dims_source: str = ""
   continuation: bool = False
 
   @property
@@ -901,8 +907,39 @@ def read_schedule(text: str, *, chip: str = "tpu-v4") -> Schedule:
     raise ValueError("read_schedule needs HLO text with an ENTRY computation")
   devices = module.get("num_partitions", 1) * module.get("replica_count", 1)
   reader = _Reader(comps, devices, chip)
-  return Schedule(entries=reader.entries(entry), num_partitions=devices,
+  return Schedule(entries=_infer_ring_dims(reader.entries(entry)), num_partitions=devices,
                   scheduled=module.get("is_scheduled", False))
+
+
+def _infer_ring_dims(entries: tuple) -> tuple:
+  """Collectives whose config names no algorithm (libtpu's async collective fusions)
+  take the torus dims libtpu chose for the same kind of collective over the same group
+  shape elsewhere in the program (`Op.ring_dims_source` "same-axis"), the fewest where
+  it chose several: priced like their synchronous siblings, not on every link."""
+  known = {}
+  def key(op):
+    return (op.collective, op.link, op.group_size)
+  def visit(items):
+    for e in items:
+      if isinstance(e, Loop):
+        visit(e.body)
+      elif e.kind in ("collective", "start") and e.ring_dims:
+        known[key(e)] = min(known.get(key(e), e.ring_dims), e.ring_dims)
+  visit(entries)
+  def fill(items):
+    out = []
+    for e in items:
+      if isinstance(e, Loop):
+        out.append(dataclasses.replace(e, body=fill(e.body)))
+      elif e.kind in ("collective", "start", "done") and e.collective and e.ring_dims:
+        out.append(dataclasses.replace(e, ring_dims_source="config"))
+      elif e.kind in ("collective", "start") and e.collective and key(e) in known:
+        out.append(dataclasses.replace(e, ring_dims=known[key(e)],
+                                       ring_dims_source="same-axis"))
+      else:
+        out.append(e)
+    return tuple(out)
+  return fill(entries) if known else entries
 
 
 # ----------------------------------------------------------------------------- summary

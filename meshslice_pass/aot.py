@@ -287,8 +287,10 @@ class AotResult:
     compile_s: compile seconds on this machine.
     flags: LIBTPU_INIT_ARGS in effect.
     libtpu_peak_bytes: libtpu's own peak per device
-      (`memory_analysis().peak_memory_in_bytes`; 0 where it gives none): lower than
-      peak_bytes where buffers do not all live at once.
+      (`memory_analysis().peak_memory_in_bytes`; 0 where it gives none). Not bounded
+      by peak_bytes either way: lower on large programs whose buffers do not all live
+      at once (DESIGN.md 6b), 1.7-3.8x higher on the v4:2x2x2 GEMM / attention
+      programs of docs/tpu.md, whose gathered operands the temp figure leaves out.
     scheduler_cycles: libtpu's latency-hiding scheduler "Total cycles" for the entry
       computation, read from the compile's stderr (`scheduler_log`); None without a log.
       Its own cost model's units, not estimated cycles (tpu_schedule.SchedulerTotals).

@@ -215,6 +215,28 @@ def test_two_torus_dim_axis_with_a_1d_emitter_gets_one_ring():
       four_links)
 
 
+def test_async_gather_without_a_config_takes_its_sync_siblings_algorithm():
+  """libtpu's async collective fusions print no algorithm; one over the same group
+  shape as a synchronous 1D all-gather is priced as that 1D ring."""
+  text = _module(f"""
+ENTRY %main (p0: bf16[512,1024], p1: bf16[512,1024]) -> bf16[32768,1024] {{
+  %p0 = bf16[512,1024]{{L}} parameter(0)
+  %p1 = bf16[512,1024]{{L}} parameter(1)
+  %ag = bf16[32768,1024]{{L}} all-gather(%p0), channel_id=1, replica_groups=[4,64]<=[64,4]T(1,0), dimensions={{0}}, backend_config={AG_1D}
+  %ags = (bf16[512,1024]{{L}}, bf16[32768,1024]{{L}}) all-gather-start(%p1), channel_id=2, replica_groups=[4,64]<=[64,4]T(1,0), dimensions={{0}}
+  %agd = bf16[32768,1024]{{L}} all-gather-done(%ags)
+  ROOT %r = bf16[32768,1024]{{L}} add(%ag, %agd)
+}}""", partitions=256)
+  ops = {op.name: op for op in ts.read_schedule(text).expanded()}
+  assert (ops["ag"].ring_dims, ops["ag"].ring_dims_source) == (1, "config")
+  assert (ops["ags"].ring_dims, ops["ags"].ring_dims_source, ops["ags"].emitter) == (
+      1, "same-axis", "")
+  prof = profile_for_mesh(load_profile("tpu-v4"), (64, 4))
+  # both on the row link, one after the other, each a one-ring 1156.4 us gather
+  sim = ts.simulate(text, prof, clock_hz=1.05e9, axis_dims=(2, 1))
+  assert sim.step_s == pytest.approx(2 * 1156.4 * US, abs=0.2 * US)
+
+
 # ------------------------------------------------- 4. all-to-all over mesh device_ids
 
 def _all_to_all(groups: str) -> str:
