@@ -144,7 +144,8 @@ def test_check_without_bisection_and_plain_judge(monkeypatch):
   real = emit.build_body
   monkeypatch.setattr(emit, "build_body",
                       lambda *a, **k: (lambda f: lambda x, y: f(x, y) + 1.0)(real(*a, **k)))
-  result = meshslice.check(step, reference=False, bisect=False)(params, x)
+  result = meshslice.check(step, algorithm="collective", reference=False, bisect=False)(
+      params, x)
   assert not result.ok
   assert result.reference == "turned off (reference=False)"
   assert result.culprit is None and result.suspects == ()
@@ -180,7 +181,7 @@ def test_check_does_not_blame_a_site_when_plain_jit_is_wrong_too(monkeypatch):
     return [check_module._Host(o.value + 1.0, o.dtype) for o in outs], why
 
   monkeypatch.setattr(check_module, "_reference", shifted)
-  result = meshslice.check(step)(params, x)
+  result = meshslice.check(step, algorithm="collective")(params, x)
   assert result.ok, str(result)
   assert result.plain_disagrees_with_reference
   assert result.culprit is None and result.note == ""
@@ -227,3 +228,31 @@ def test_check_reference_runs_scatter_add_and_bisects_under_pattern_pins(monkeyp
   result = meshslice.check(step, algorithm="collective", overrides=pins)(params, ids)
   assert not result.ok
   assert result.culprit is not None and result.culprit.index == ls_sites[0].index, str(result)
+
+
+def test_check_names_a_gspmd_bug_only_where_the_rewrite_matches_the_reference(monkeypatch):
+  """Plain jit off the reference on one output where the transformed program is within
+  tolerance: the only case the printout calls a GSPMD partitioning bug."""
+  check_module = importlib.import_module("meshslice.check")
+  m = mesh((2, 4))
+  step, (xs, ws) = _mlp_step(m)
+  params, x = _inputs(m, xs, ws)
+  real = check_module._host_outputs
+  calls = []
+
+  def plain_loss_off(tree):       # stands in for a GSPMD bug in plain jit's loss only
+    paths, outs = real(tree)
+    calls.append(None)
+    if len(calls) == 2:           # transformed first, then plain
+      outs[0] = check_module._Host(outs[0].value + 1.0, outs[0].dtype)
+    return paths, outs
+
+  monkeypatch.setattr(check_module, "_host_outputs", plain_loss_off)
+  result = meshslice.check(step, algorithm="collective")(params, x)
+  assert result.ok and result.culprit is None, str(result)
+  assert len(result.report.rewritten) >= 3
+  assert result.leaves[0].judged == "reference" and result.leaves[0].plain_off_reference
+  assert str(result).endswith(
+      "note: plain jax.jit itself is beyond tolerance of the unsharded reference on 1 "
+      "output ([0]), where the transformed program is within tolerance: likely a GSPMD "
+      "partitioning bug in plain jit, not the pass")

@@ -87,7 +87,7 @@ def test_check_copies_donated_inputs_and_the_callers_arrays_survive():
   state = {"params": _params(ws), "step": jnp.int32(7)}
   x = _batch(xs)
   before = jax.tree.map(np.asarray, state)
-  result = meshslice.check(donating)(state, x)
+  result = meshslice.check(donating, algorithm="collective")(state, x)
   assert result.ok, str(result)
   assert result.reference == "ran"
   assert len(result.report.rewritten) >= 3
@@ -106,7 +106,7 @@ def test_check_copies_donated_inputs_and_the_callers_arrays_survive():
 
   # donated by name, the same
   named = jax.jit(step, in_shardings=(sh, xs), donate_argnames="state")
-  result = meshslice.check(named)(state, x)
+  result = meshslice.check(named, algorithm="collective")(state, x)
   assert result.ok, str(result)
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
@@ -138,7 +138,7 @@ def test_check_handles_typed_prng_keys_as_inputs_outputs_and_state_leaves():
   step, jitted = _keyed_step(xs, ws)
   state = {"params": _params(ws), "rng": jax.random.key(5), "step": jnp.int32(0)}
   x, key = _batch(xs), jax.random.key(9)
-  result = meshslice.check(jitted)(state, x, key)
+  result = meshslice.check(jitted, algorithm="collective")(state, x, key)
   assert result.ok, str(result)
   assert result.reference == "ran"
   by_path = {l.path: l for l in result.leaves}
@@ -173,7 +173,7 @@ def test_check_compares_keys_and_integers_exactly(monkeypatch):
   jitted = jax.jit(make(xs), in_shardings=(ws, xs, None))
   w, x = _params(ws)["w1"], _batch(xs)
   key = jax.random.key(1)
-  ok = meshslice.check(jitted)(w, x, key)
+  ok = meshslice.check(jitted, algorithm="collective")(w, x, key)
   assert ok.ok, str(ok)
   assert [l.dtype for l in ok.leaves] == ["key<fry>", "int32", "int32"]
   assert all(l.vs_reference.mismatched == 0 for l in ok.leaves)
@@ -214,7 +214,7 @@ def test_check_compares_complex_outputs_on_both_parts_with_a_tolerance():
   ws = NamedSharding(m, P("x", "y"))
   step, jitted = _complex_step(ws, ws)
   args = _complex_inputs(ws)
-  result = meshslice.check(jitted)(*args)
+  result = meshslice.check(jitted, algorithm="collective")(*args)
   assert result.ok, str(result)
   assert len(result.report.rewritten) == 2
   assert [l.dtype for l in result.leaves] == ["complex64", "complex64"]
@@ -242,7 +242,7 @@ def test_check_catches_a_wrong_imaginary_part(monkeypatch):
     return lambda a, b: body(a, b) * 1.5
 
   monkeypatch.setattr(emit, "build_body", imaginary_site_wrong)
-  result = meshslice.check(jitted)(*args)
+  result = meshslice.check(jitted, algorithm="collective")(*args)
   assert not result.ok, str(result)
   second = result.leaves[1]          # complex(x, g): only the imaginary part is wrong
   assert not second.ok and not second.vs_reference.ok and not second.vs_plain.ok
@@ -289,7 +289,7 @@ def test_check_bf16_adam_step_agrees_when_plain_jit_is_as_far_from_the_reference
   xs = ws = NamedSharding(m, P("x", "y"))
   step, jitted = _adam_step(xs, ws)
   params, opt, x = _adam_inputs(ws, xs)
-  result = meshslice.check(jitted)(params, opt, x)
+  result = meshslice.check(jitted, algorithm="collective")(params, opt, x)
   assert result.ok, str(result)
   assert result.reference == "ran" and len(result.report.rewritten) >= 3
   assert result.culprit is None and result.suspects == () and result.note == ""
@@ -396,9 +396,10 @@ def test_check_tolerance_argument():
   xs = ws = NamedSharding(m, P("x", "y"))
   step = jax.jit(jax.value_and_grad(_loss(xs)), in_shardings=({"w1": ws, "w2": ws}, xs))
   params, x = _params(ws), _batch(xs)
-  loose = meshslice.check(step, tolerance=1e-3)(params, x)
+  loose = meshslice.check(step, algorithm="collective", tolerance=1e-3)(params, x)
   assert loose.ok and all(l.judged == "reference" for l in loose.leaves), str(loose)
-  exact = meshslice.check(step, tolerance={"float32": 0.0})(params, x)
+  exact = meshslice.check(step, algorithm="collective", tolerance={"float32": 0.0})(
+      params, x)
   assert not exact.leaves[0].vs_reference.ok        # a zero tolerance is applied ...
   assert exact.ok and exact.leaves[0].judged == "plain's distance"   # ... judged by plain
   assert meshslice.check(step, tolerance={jnp.bfloat16: 0.1, "float32": 2e-4}) is not None
