@@ -297,6 +297,10 @@ class AotResult:
     scheduler_s: scheduler_cycles / the chip clock: nominal, for putting it beside
       simulation.step_s; it ranks programs as libtpu's scheduler does, it is not a
       measured step time.
+    scheduler_loop_cycles: the scheduler's totals for the bodies of `while` loops, times
+      their trip counts (`tpu_schedule.scheduler_loop_cycles`); the entry total counts a
+      loop as one node costing less (docs/tpu.md), so compare programs with loops on
+      scheduler_cycles + this where the loop nodes are small. None without a log.
   """
 
   summary: object
@@ -308,6 +312,7 @@ class AotResult:
   libtpu_peak_bytes: int = 0
   scheduler_cycles: float | None = None
   scheduler_s: float | None = None
+  scheduler_loop_cycles: float | None = None
 
   def row(self) -> dict:
     """Plain figures, for JSON and tables."""
@@ -323,6 +328,7 @@ class AotResult:
             "peak_bytes": self.peak_bytes, "temp_bytes": self.temp_bytes,
             "libtpu_peak_bytes": self.libtpu_peak_bytes,
             "scheduler_cycles": self.scheduler_cycles, "scheduler_s": self.scheduler_s,
+            "scheduler_loop_cycles": self.scheduler_loop_cycles,
             "compile_s": self.compile_s, "flags": self.flags}
 
 
@@ -361,10 +367,12 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
   clock = tpu_schedule.CLOCK_HZ.get(base.name)
   axis_dims = None if mesh_shape is None else tpu_schedule.axis_torus_dims(
       base, tuple(mesh_shape))
-  lhs = None
+  lhs = lhs_loops = None
   if scheduler_log:
     entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
-    lhs = tpu_schedule.scheduler_cycles(scheduler_log, entry.group(1) if entry else None)
+    totals = tpu_schedule.read_scheduler_log(scheduler_log)
+    lhs = tpu_schedule.scheduler_cycles(totals, entry.group(1) if entry else None)
+    lhs_loops = tpu_schedule.scheduler_loop_cycles(totals, schedule) if totals else None
   return AotResult(summary=tpu_schedule.summarize(schedule),
                    simulation=tpu_schedule.simulate(schedule, prof, clock_hz=clock,
                                                     axis_dims=axis_dims),
@@ -372,6 +380,7 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
                    temp_bytes=temp, compile_s=compile_s,
                    flags=os.environ.get("LIBTPU_INIT_ARGS", ""),
                    libtpu_peak_bytes=libtpu_peak, scheduler_cycles=lhs,
+                   scheduler_loop_cycles=lhs_loops,
                    scheduler_s=None if lhs is None or not clock else lhs / clock)
 
 

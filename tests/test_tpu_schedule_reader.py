@@ -310,6 +310,20 @@ def test_scheduler_log_is_read():
   assert ts.scheduler_cycles("no scheduler here") is None
 
 
+def test_scheduler_loop_bodies_times_their_trips():
+  """libtpu logs each while body as its own computation; the entry's total counts the
+  loop as one node (on an XLA windowed-einsum GEMM, v4:4x4x4 as 16x4: a 1.13M node for
+  a body of 479131 per trip, 8 trips), so the bodies are added up separately."""
+  log = LHS_LOG.replace("main.0_spmd", "wide.windowed_dot_general_body_ag.clone.sunk")
+  log = log.replace("Total cycles: 1.13401e+06", "Total cycles: 479131")
+  inner = ts.Loop(name="w2", trip_count=3, trip_count_known=True, body=(),
+                  body_computation="unlogged")
+  loop = ts.Loop(name="w", trip_count=8, trip_count_known=True, body=(inner,),
+                 body_computation="wide.windowed_dot_general_body_ag.clone.sunk")
+  assert ts.scheduler_loop_cycles(log, ts.Schedule(entries=(loop,))) == 8 * 479131
+  assert ts.scheduler_loop_cycles(log, ts.Schedule(entries=())) == 0
+
+
 # One real compile: v4:2x2x2 as 2x4, an async all-gather (2 MiB shard over x) beside an
 # independent local 1024^3 dot, in a fresh process with the scheduler log on.
 _SCRIPT = """
@@ -354,6 +368,7 @@ def test_aot_scheduler_totals_and_libtpu_peak_beside_the_simulation():
   assert got["wasted_before"] == [49151.0]
   assert row["scheduler_cycles"] > 0
   assert row["scheduler_s"] == pytest.approx(row["scheduler_cycles"] / 1.05e9)
+  assert row["scheduler_loop_cycles"] == 0                # no while loops here
   # its total is not the backend's estimate: the 1024^3 dot alone (~15k estimated
   # cycles) is charged ~22.6k; the sum exceeds our compute
   assert len(got["dots"]) == 1 and 10_000 < got["dots"][0] < 20_000
