@@ -254,7 +254,7 @@ def check(fn: Callable, *, reference: bool = True, max_reference_bytes: int = 1 
       ref, why = _reference(traced.jaxpr, in_leaves, max_reference_bytes)
     paths, new = _host_outputs(transformed(*fresh.args(), **fresh.kwargs()))
     _, old = _host_outputs(plain(*fresh.args(), **fresh.kwargs()))
-    kinds = [(_kind(b), str(b.dtype), _tol_of(b.dtype, tol)) for b in old]
+    kinds = [(_kind(b), _dtype_name(b.dtype), _tol_of(b.dtype, tol)) for b in old]
     rewritten = bool(report.rewritten)
     leaves = []
     for i, (path, a, b, (kind, dtype, t)) in enumerate(zip(paths, new, old, kinds)):
@@ -360,6 +360,10 @@ def _tol_of(dtype, tol) -> float:
 # -------------------------------------------------------------------------- comparison
 def _is_key(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _dtype_name(dtype) -> str:
+  return "float0" if dtype == jax.dtypes.float0 else str(dtype)
 
 
 def _kind(x) -> str:
