@@ -291,6 +291,21 @@ def known_value(x):
   return x
 
 
+def partition_spec_text(pspec) -> str:
+  """`str(pspec)`, as every supported jax prints it.
+
+  compat shim (jax >= 0.11): PartitionSpec gained `unreduced_kind` (default `sum`), which
+  its repr always shows once `unreduced` is set ("P(None, unreduced={'y'},
+  unreduced_kind=sum)"); the default is left out, so reports and messages read the same
+  on jax 0.10.2 and 0.11+.
+  """
+  text = str(pspec)
+  kind = getattr(pspec, "unreduced_kind", None)
+  if kind is not None and getattr(kind, "name", None) == "sum":
+    text = text.replace(", unreduced_kind=sum", "")
+  return text
+
+
 def jit_params(traced) -> dict:
   """The params of the `jit` equation a `jax.jit(...).trace(...)` call produced."""
   return dict(traced._params)

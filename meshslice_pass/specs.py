@@ -17,6 +17,8 @@ from typing import Optional
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import _jax_internals as _ji
+
 Spec = tuple
 MaybeSpec = Optional[tuple]
 
@@ -178,4 +180,4 @@ def merge(specs) -> MaybeSpec:
 def describe(spec: MaybeSpec) -> str:
   if spec is None:
     return "?"
-  return str(to_partition_spec(spec)).replace("PartitionSpec", "P")
+  return _ji.partition_spec_text(to_partition_spec(spec)).replace("PartitionSpec", "P")
