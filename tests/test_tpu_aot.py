@@ -343,7 +343,7 @@ jax.config.update("jax_platforms", "cpu")
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshslice import aot
 from meshslice.costmodel import tpu_schedule as ts
-aot.set_flags(*aot.ASYNC_FLAGS)
+aot.set_flags(*meshslice.backend_flags.tpu_overlap_flags("v4"))  # not ASYNC_FLAGS: see DESIGN 6b
 mesh = aot.make_mesh("v4:2x2x2", (2, 4))
 s = NamedSharding(mesh, P("x", "y"))
 f = jax.jit(lambda a, b: a @ b, in_shardings=(s, s), out_shardings=s)
