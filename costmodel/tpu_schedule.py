@@ -1034,11 +1034,12 @@ class SchedulerTotals:
   """What libtpu's latency-hiding scheduler logged for one computation it scheduled.
 
   Units: the scheduler's own cost model ("cycles"), which is *not* the backend's
-  `estimated_cycles` (measured on libtpu 0.0.42, v4:2x2x2, docs/tpu.md "libtpu's
-  scheduler totals"): elementwise fusions come out at 0.8-0.96x their estimated cycles,
-  local bf16 dots at 1.5x (1024^3), 2.3x (2048^3), 6.1x (4096^3), 3.1x (8192^3), and an
-  all-gather at its operand bytes / 42.67 whatever the group size (2 or 4) or axis. So
-  the total is libtpu's ranking signal, not a step time.
+  `estimated_cycles` (measured on libtpu 0.0.42, docs/tpu.md "Our simulator against
+  libtpu's"): elementwise fusions come out at 0.8-1.6x their estimated cycles, local
+  bf16 dots at 1.5x (1024^3), 2.3x (2048^3), 6.1x (4096^3), 3.1x (8192^3), and an
+  all-gather on v4:2x2x2 at 3/128 per operand byte whatever the group (2 or 4 chips).
+  A `while` counts as one node of the entry computation, its body is logged on its own
+  (`scheduler_loop_cycles`). So the total is libtpu's ranking signal, not a step time.
 
   Attributes:
     module, computation: as logged ("jit_f(0)", "main.0_spmd").
