@@ -157,6 +157,9 @@ def test_unrolled_checkpointed_layers_keep_temp_memory_at_or_below_plain_jit():
   assert_trees_close(new, one)
 
 
+@pytest.mark.skipif(jax.__version_info__ >= (0, 11), reason=(
+    "jax >= 0.11's CPU compiler does not hoist the untied gathers into the forward pass "
+    "(4 layers, jax 0.11.2 and 0.12.0.1: temp 311,296 B tied and untied, plain jit 377,544 B)"))
 def test_without_the_tie_the_hoisted_gathers_cost_memory(monkeypatch):
   """The memory test above can fail: emitted without the tie, temp exceeds plain jit."""
   layers = 4
