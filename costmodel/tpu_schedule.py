@@ -281,10 +281,13 @@ def _top_level_parts(type_text: str) -> list[str]:
 
 
 def _mesh_device_ids(text: str, size: int):
-  """The partition ids of a `mesh[...]` replica group's `device_ids=(...)`: a flat list
-  of ints, or an iota `[a,b]<=[n]` / `<=[a,b]T(1,0)` form; None when absent or unread."""
+  """The partition ids of a `mesh[...]` replica group's `device_ids=(...)`, in mesh
+  order: an iota `[4,16,4]T(0,2,1)` (0..n-1 reshaped to those dims, transposed, read
+  out; as libtpu 0.0.42 prints them), `[a,b]<=[n]` / `<=[a,b]T(1,0)`, or a flat list of
+  ints; None when unread."""
   text = text.strip()
-  iota = re.search(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+  iota = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text) or \
+      re.search(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
   if iota:
     dims = [int(d) for d in iota.group(1).split(",")]
     ids = np.arange(math.prod(dims)).reshape(dims)
@@ -703,16 +706,16 @@ class _Reader:
         return Op(kind="copy", relayout=True, **base)
     return Op(kind="other", **base)
 
-  def _is_continuation(self, comp: _Computation, instr: _Instr, depth: int = 0) -> bool:
+  def _is_continuation(self, comp: _Computation, instr: _Instr) -> bool:
     """A fusion that continues an async collective fusion (libtpu's
     `async_collective_fusion.N`): its computation is named so, or one of its operands
-    (through get-tuple-elements and bitcasts) is an `AsyncCollectiveStart` fusion or
-    another continuation."""
+    (through get-tuple-elements and bitcasts) is an `AsyncCollectiveStart` fusion whose
+    collective is the same kind as the one this fusion holds. (A synchronous collective
+    fusion fed by a continuation's result, such as the dense reduce-scatter, is not.)"""
     called = _called(instr).get("calls", [])
     if called and called[0].startswith("async_collective_fusion"):
       return True
-    if depth > 8:
-      return False
+    mine = {c.opcode for c in self.contents(called[0])["collectives"]} if called else set()
     for name in instr.operands:
       source = comp.instrs.get(name)
       while source is not None and source.opcode in ("get-tuple-element", "bitcast") \
@@ -721,10 +724,9 @@ class _Reader:
       if source is None or source.opcode != "fusion":
         continue
       inner = _called(source).get("calls", [])
-      if inner and "AsyncCollectiveStart" in self.contents(inner[0])["targets"]:
-        return True
-      if inner and self.contents(inner[0])["collectives"] and \
-          self._is_continuation(comp, source, depth + 1):
+      content = self.contents(inner[0]) if inner else None
+      if content and "AsyncCollectiveStart" in content["targets"] and \
+          mine & {c.opcode for c in content["collectives"]}:
         return True
     return False
 

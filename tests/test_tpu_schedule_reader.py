@@ -104,6 +104,28 @@ def test_continuation_fusion_without_a_dot_is_compute_not_a_collective(name):
   assert sim.sync_collective_s == 0
 
 
+def test_sync_collective_fusion_fed_by_a_continuation_stays_a_collective():
+  """The dense reduce-scatter (a kCustom fusion around an all-reduce, dynamic-sliced)
+  consuming a continuation's result is a synchronous reduce-scatter, not a continuation
+  (seen in the GPT-3 64x4 rewrite)."""
+  rs = """
+%all-reduce-scatter (input: f32[2048,1024]) -> f32[512,1024] {
+  %input = f32[2048,1024]{1,0:T(8,128)} parameter(0)
+  %ar = f32[2048,1024]{1,0:T(8,128)} all-reduce(%input), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %id = u32[] partition-id()
+  %c = u32[] constant(0)
+  ROOT %ds = f32[512,1024]{1,0:T(8,128)} dynamic-slice(%ar, %id, %c), dynamic_slice_sizes={512,1024}
+}"""
+  text = _continuation_module().replace(
+      "  ROOT %async-collective-done", "  %c0 = f32[2048,1024]{1,0:T(8,128)} get-tuple-element(%fusion.27), index=0\n"
+      "  %rs = f32[512,1024]{1,0:T(8,128)} fusion(%c0), kind=kCustom, calls=%all-reduce-scatter\n"
+      "  ROOT %async-collective-done") + "\n\n" + textwrap.dedent(rs).strip()
+  ops = {op.name: op for op in ts.read_schedule(text).expanded()}
+  assert (ops["rs"].kind, ops["rs"].collective, ops["rs"].continuation) == (
+      "collective", "reduce-scatter", False)
+  assert ops["fusion.27"].continuation
+
+
 def test_continuation_with_a_dot_stays_a_dot():
   text = _continuation_module().replace(
       "%e = f32[2048,1024]{1,0:T(8,128)} exponential(%x)",
@@ -268,6 +290,12 @@ def test_mesh_groups_iota_and_sub_axes():
   assert ts._replica_group(
       "replica_groups=mesh['x'=2,'y'=4] device_ids=([2,4]<=[4,2]T(1,0)) {'y'}", 8) == (
           0, 2, 4, 6)
+  # verbatim from the GPT-3 64x4 rewrite's all-to-all (256 v4 chips): the mesh's ids are
+  # iota(256) reshaped to [4,16,4], transposed (0,2,1); the group, 16 of axis_2 from
+  # pre-size 4, is 16 rows of the 64x4 mesh (partitions 4 apart: the row link)
+  a2a = ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=64], "
+         "device_ids=([4,16,4]T(0,2,1)) {'axis_2':(4)16}")
+  assert ts._replica_group(a2a, 256) == tuple(range(0, 64, 4))
   # sub-axis x:(p)k of an axis of n: [p, k, n / (p k)] major to minor, the group along k
   assert ts._replica_group("replica_groups=mesh['x'=8] {'x':(1)2}", 8) == (0, 4)
   assert ts._replica_group("replica_groups=mesh['x'=8] {'x':(2)2}", 8) == (0, 2)
