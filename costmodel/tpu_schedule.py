@@ -402,6 +402,8 @@ def _strategy(attrs: str) -> tuple[str, int]:
                                                       bidirectional ring on one dim)
     UniDirectionNDRingStrategy{colors:4 cores:{4 4},...} 2 (a ring per direction on each
                                                       of the dims listed in one core set)
+    StrategyND{colors:3 cores:{8 8 4},...}          3 (likewise; a 256-chip all-reduce)
+    "SinglePhaseRingSumEmitter"                     1 (one ring; small all-reduces)
     anything else (AllToAllEmitter, no config)      0 (unknown)
   """
   config = _ALGO.search(attrs)
@@ -414,17 +416,18 @@ def _strategy(attrs: str) -> tuple[str, int]:
       "/" + strategy.group(1) if strategy else "")
   debug = re.search(r'"debug"\s*:\s*"([^"]*)"', body)
   debug = debug.group(1) if debug else ""
-  dims = 0
-  lead = re.match(r"(\d)D", emitter.group(1)) if emitter else None
-  if lead:
-    dims = int(lead.group(1))
   kind = strategy.group(1) if strategy else ""
-  if re.search(r"1DRing", kind) or kind == "StrategyRing":
-    dims = 1
-  elif re.search(r"NDRing", kind):
-    cores = re.search(r"cores:\{([0-9 ]+)\}", debug)
-    dims = len(cores.group(1).split()) if cores else 0
-  return name, dims
+  lead = re.match(r"(\d)D", emitter.group(1)) if emitter else None
+  cores = re.search(r"cores:\{([0-9 ]+)\}", debug) if kind else None
+  if kind == "StrategyRing" or "1DRing" in kind:
+    return name, 1
+  if cores:                          # one core set: the sizes of the dims it spans
+    return name, len(cores.group(1).split())
+  if lead:
+    return name, int(lead.group(1))
+  if emitter and not kind and "Ring" in emitter.group(1):
+    return name, 1                   # e.g. SinglePhaseRingSumEmitter
+  return name, 0
 
 
 # ----------------------------------------------------------------------------- data
@@ -445,7 +448,8 @@ class Op:
     group: the first replica group (partition ids) of a collective; size n = len(group).
     moved_bytes: bytes one device sends in the collective (module docstring), 0 else.
     link: profile dim (0 or 1) the collective travels over: 1 when its group is
-      consecutive partitions (the minor mesh axis), else 0.
+      consecutive partitions (the minor mesh axis), else 0; for a collective-permute,
+      1 when every set of partitions its pairs connect is consecutive (`_permute_link`).
     partner: for a start, the name of its done; for a done, the name of its start.
     between: for a start, the names of the ops scheduled between it and its done.
     between_cycles: for a start, the compute cycles scheduled between it and its done.

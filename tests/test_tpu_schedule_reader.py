@@ -197,6 +197,12 @@ def test_strategy_names_and_torus_dims():
   assert ts._strategy(AR_ND) == ("RotatedPincerEmitter/UniDirectionNDRingStrategy", 2)
   assert ts._strategy(AR_1D) == ("RotatedPincerEmitter/UniDirection1DRingStrategy", 1)
   assert ts._strategy(RS_RING) == ("SingleInputAllReduceScatterFusion/StrategyRing", 1)
+  nd = ('{"collective_algorithm_config":{"emitter":"RotatedPincerEmitter","strategy":'
+        '"StrategyND","debug":"\\nStrategyND{colors:3 phases:3 cores:{8 8 4},{8 4 8},'
+        '{4 8 8} nophase0:0 reserved_sflags:1"}}')          # GPT-3 64x4: all 256 chips
+  assert ts._strategy(nd) == ("RotatedPincerEmitter/StrategyND", 3)
+  assert ts._strategy('{"collective_algorithm_config":{"emitter":'
+                      '"SinglePhaseRingSumEmitter"}}') == ("SinglePhaseRingSumEmitter", 1)
   assert ts._strategy('{"collective_algorithm_config":{"emitter":"AllToAllEmitter"}}') == (
       "AllToAllEmitter", 0)
   assert ts._strategy('{"flag_configs":[]}') == ("", 0)
