@@ -2,6 +2,14 @@
 
 Everything else in the package uses public `jax.*` names. If a JAX upgrade moves one of
 these, this is the only file to change.
+
+Supported: jax 0.10.2 (Python 3.11) through 0.12.x (Python 3.12, 3.13), the range
+pyproject.toml declares. Where those releases differ, a compat shim here gives one
+behaviour on all of them (each is labelled "compat shim" and names the jax it is for):
+`ClosedJaxpr` (jax 0.12 merged it into `Jaxpr`), `partition_spec_text` (jax 0.11's
+PartitionSpec prints `unreduced_kind`), `scan_counts` / `scan_params_with_consts` (jax
+0.11's scan describes its operands with flat trees). tests/test_jax_versions.py checks
+them and that no other module imports `jax._src`.
 """
 from __future__ import annotations
 
@@ -379,8 +387,9 @@ def trace_context():
   return _config.trace_context()
 
 
-# -- scan's parameters changed shape across JAX versions: jax <= 0.10 has num_consts /
-# num_carry / linear; jax 0.11 describes the operands with flat trees (ft_in, ft_out).
+# -- compat shim (jax >= 0.11): scan's parameters changed shape across JAX versions:
+# jax <= 0.10 has num_consts / num_carry / linear; jax 0.11 describes the operands with
+# flat trees (ft_in, ft_out).
 
 def scan_counts(params) -> tuple[int, int]:
   """(number of consts, number of carries) of a scan equation's operands."""
