@@ -314,6 +314,12 @@ def partition_spec_text(pspec) -> str:
   return text
 
 
+def traced_consts(traced) -> list:
+  """The values a `jax.jit(...).trace(...)` hoisted out of the function (what it closes
+  over from an enclosing trace): they are the leading operands of its jaxpr."""
+  return list(getattr(traced, "_consts", ()) or ())
+
+
 def jit_params(traced) -> dict:
   """The params of the `jit` equation a `jax.jit(...).trace(...)` call produced."""
   return dict(traced._params)

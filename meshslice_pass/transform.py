@@ -15,7 +15,8 @@ from . import planning
 from .backend_flags import overlap_note
 from . import specs as S
 from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, jit_params,
-                             known_value, rejit, trace_context, trace_state_clean)
+                             known_value, rejit, trace_context, trace_state_clean,
+                             traced_consts)
 from .emit import Emitter
 from .nnx_jit import is_nnx_jit, transform_nnx_jit
 from .options import Options, check_overrides
@@ -26,6 +27,7 @@ from .report import Report
 class _Planned:
   """What the pass decided for one input signature (the program, its sites, the report)."""
   closed: Any               # the original program, traced
+  consts: tuple             # its leading operands: what it closes over from outer traces
   out_tree: Any
   sites: tuple
   mesh: Any
@@ -115,13 +117,14 @@ class Transformed:
       _, dynamic = self._split(args, kwargs)
       leaves = jax.tree.leaves(dynamic)
       if planned.abstract:       # traced (eval_shape, .trace) without devices: as is
-        outs = jax.core.eval_jaxpr(planned.closed.jaxpr, planned.closed.consts, *leaves)
+        outs = jax.core.eval_jaxpr(planned.closed.jaxpr, planned.closed.consts,
+                                   *planned.consts, *leaves)
       else:
         # Called with tracers, the program may be transformed further (vmap, grad): it
         # is emitted without the CPU-only nesting of sites (`Emitter`), which JAX 0.10.2
         # cannot differentiate under vmap(spmd_axis_name=...).
         emitter = Emitter(planned.sites, planned.mesh, nest_sites=not outer_traced)
-        outs = emitter.run(planned.closed, *leaves)
+        outs = emitter.run(planned.closed, *planned.consts, *leaves)
       return jax.tree.unflatten(planned.out_tree, list(outs))
 
     functools.update_wrapper(rewritten, jit_function(self._jitted))
@@ -135,6 +138,8 @@ class Transformed:
     clock.lap("trace")
     params = jit_params(traced)
     closed = traced.jaxpr
+    consts = traced_consts(traced)
+    layouts = tuple(_leaf_sharding(c) for c in consts) + layouts   # operand order
     mesh = _find_mesh(params, layouts[:-1], closed, context=layouts[-1])
     axis_sizes = dict(mesh.shape) if mesh is not None else {}
     in_specs = []
@@ -161,7 +166,8 @@ class Transformed:
                     profile=getattr(self._options.profile, "name", ""),
                     hardware=self._options.profile,
                     notes=blind + overlap_note(sites, mesh))
-    planned = _Planned(closed=closed, out_tree=traced.out_tree, sites=tuple(sites),
+    planned = _Planned(closed=closed, consts=tuple(consts), out_tree=traced.out_tree,
+                       sites=tuple(sites),
                        mesh=mesh, report=report,
                        abstract=isinstance(mesh, AbstractMesh) and not outer_traced,
                        timings=clock.times)
@@ -178,7 +184,9 @@ class Transformed:
            traced, jax.sharding.get_abstract_mesh(), trace_context())
     planned = self._plans.get(key)
     if planned is None:
-      planned = self._plans[key] = self._plan(args, kwargs, layouts, traced)
+      planned = self._plan(args, kwargs, layouts, traced)
+      if not planned.consts:     # values of an enclosing trace must not outlive it
+        self._plans[key] = planned
     return planned
 
   def _require_devices(self, args, kwargs, what):

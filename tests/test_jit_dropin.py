@@ -236,3 +236,19 @@ def test_nnx_jit_step_keeps_in_place_model_and_optimizer_updates(graph):
   assert losses[2] < losses[0]
   for got, want in zip(state, plain_state):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_closing_over_a_value_of_an_enclosing_trace():
+  msh = mesh((2, 4))
+  s, x, w = _arrays(msh)
+  reference = lambda x, w: jnp.tanh(x @ w)
+
+  def outer(x, w):
+    return meshslice.transform(lambda x: jnp.tanh(x @ w), ksplit=2)(x)   # w: a tracer
+
+  out = jax.jit(outer)(x, w)
+  np.testing.assert_allclose(out, jax.jit(reference)(x, w), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out, np.tanh(_unsharded(x) @ _unsharded(w)),
+                             rtol=2e-5, atol=2e-5)
+  grad = jax.grad(lambda w: jnp.sum(outer(x, w) ** 2))(w)
+  assert_trees_close(grad, jax.grad(lambda w: jnp.sum(reference(x, w) ** 2))(w))
