@@ -177,8 +177,9 @@ def test_check_does_not_blame_a_site_when_plain_jit_is_wrong_too(monkeypatch):
   real = check_module._reference
 
   def shifted(*a, **k):      # stands in for a GSPMD bug: plain and transformed both off
-    outs, why = real(*a, **k)
-    return [check_module._Host(o.value + 1.0, o.dtype) for o in outs], why
+    outs, why, moved = real(*a, **k)
+    shift = lambda hs: [check_module._Host(h.value + 1.0, h.dtype) for h in hs]
+    return shift(outs), why, shift(moved)
 
   monkeypatch.setattr(check_module, "_reference", shifted)
   result = meshslice.check(step, algorithm="collective")(params, x)

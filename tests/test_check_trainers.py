@@ -61,6 +61,20 @@ def _corrupt_sites(monkeypatch, factor=1.5, dataflow="ls"):
   monkeypatch.setattr(emit, "build_body", corrupted)
 
 
+def _edit_reference(monkeypatch, edit):
+  """Apply `edit` to every output value of the unsharded reference (its run on moved
+  inputs too, so the reference's sensitivity stays what it is)."""
+  real = check_module._reference
+
+  def edited(*a, **k):
+    outs, why, moved = real(*a, **k)
+    fix = lambda hs: None if hs is None else [check_module._Host(edit(h.value), h.dtype)
+                                              for h in hs]
+    return fix(outs), why, fix(moved)
+
+  monkeypatch.setattr(check_module, "_reference", edited)
+
+
 def _unsharded(fn, *args):
   """`fn` (built without sharding constraints) on one device, every input a host copy."""
   host = jax.tree.map(lambda x: np.asarray(x) if not jax.dtypes.issubdtype(
@@ -209,7 +223,7 @@ def _complex_inputs(ws):
   return [jax.device_put(jax.random.normal(ki, s) / 4, ws) for ki, s in zip(k, shapes)]
 
 
-def test_check_compares_complex_outputs_on_both_parts_with_a_tolerance():
+def test_check_compares_complex_outputs_on_both_parts_with_a_tolerance(monkeypatch):
   m = mesh((2, 4))
   ws = NamedSharding(m, P("x", "y"))
   step, jitted = _complex_step(ws, ws)
@@ -219,8 +233,13 @@ def test_check_compares_complex_outputs_on_both_parts_with_a_tolerance():
   assert len(result.report.rewritten) == 2
   assert [l.dtype for l in result.leaves] == ["complex64", "complex64"]
   assert all(l.judged == "reference" for l in result.leaves)
-  # the outputs do differ from the reference in the last bits (a zero tolerance fails)
-  assert result.leaves[0].vs_reference.max_abs > 0
+  # float reassociation in both parts (the last bits of a sharded sum; XLA versions
+  # differ in whether this program shows any): within complex64's tolerance
+  _edit_reference(monkeypatch, lambda v: v * (1 + 3e-6) + 2e-6j * np.abs(v).max())
+  noisy = meshslice.check(jitted, algorithm="collective")(*args)
+  assert noisy.ok, str(noisy)
+  assert all(l.vs_reference.max_abs > 0 and l.judged == "reference" for l in noisy.leaves)
+  monkeypatch.undo()
   plain = jitted(*args)
   ref = _unsharded(_complex_step(None, None)[0], *args)
   np.testing.assert_allclose(np.asarray(plain[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
@@ -254,12 +273,20 @@ def test_check_catches_a_wrong_imaginary_part(monkeypatch):
 LR = 0.05
 
 
-def _adam_step(xs, ws):
+def _adam_step(xs, ws, real_gradients=False):
   """bf16 params, Adam's first step (bias-corrected: the update is lr * g / |g|). The
-  batch's second half negates the first, so the loss and w2's gradient cancel to ~0:
-  whichever order a program sums in decides their sign, as with a real model's near-zero
-  gradients."""
-  loss = _loss(xs)
+  batch's second half negates the first and h = tanh(x @ w1) is odd in x, so the
+  gradients through sin (odd) cancel to ~0: whichever order a program sums in decides
+  their sign, as with a real model's near-zero gradients. With `real_gradients`, the
+  last 16 columns of w2's output go through cos (even) instead, which gives every
+  weight a real gradient too."""
+
+  def loss(params, x):
+    h = _constrain(jnp.tanh(x @ params["w1"]), xs)
+    y = (h @ params["w2"]).astype(jnp.float32)
+    if not real_gradients:
+      return jnp.sum(jnp.sin(y))
+    return jnp.sum(jnp.sin(y[:, :16])) + jnp.sum(jnp.cos(y[:, 16:]))
 
   def step(params, opt, x):
     l, g = jax.value_and_grad(loss)(params, x)
@@ -301,7 +328,6 @@ def test_check_bf16_adam_step_agrees_when_plain_jit_is_as_far_from_the_reference
   # ... and the rewrite exactly as far: it agrees, judged by plain jit's own distance
   assert w2.vs_reference.max_abs == w2.plain_vs_reference.max_abs
   assert w2.ok and w2.judged == "plain's distance"
-  assert by_path["[1]['w1']"].judged == "reference"
   text = str(result)
   assert text.startswith("meshslice.check: OK: 7 of 7 outputs agree with the unsharded "
                          "reference (")
@@ -316,23 +342,25 @@ def test_check_bf16_adam_step_agrees_when_plain_jit_is_as_far_from_the_reference
 
 
 def test_check_bf16_adam_step_still_blames_a_wrong_site(monkeypatch):
-  """The error model does not hide a wrong rewrite: Adam's moments of w1 are within
-  tolerance for plain jit, so a site that scales its result is caught and named."""
+  """The error model does not hide a wrong rewrite: with real gradients, Adam's moments
+  are within tolerance for plain jit, so a site that scales its result is caught and
+  named (and the correct rewrite agrees, the +-lr of w2's cancelling columns or not)."""
   m = mesh((2, 4))
   xs = ws = NamedSharding(m, P("x", "y"))
-  _, jitted = _adam_step(xs, ws)
+  _, jitted = _adam_step(xs, ws, real_gradients=True)
   params, opt, x = _adam_inputs(ws, xs)
+  assert meshslice.check(jitted, algorithm="collective", bisect=False)(params, opt, x).ok
   report = meshslice.explain(jitted, algorithm="collective")(params, opt, x)
-  ls_sites = [s.index for s in report.rewritten if s.dataflow == "ls"]
-  assert ls_sites, str(report)
-  _corrupt_sites(monkeypatch)
+  os_sites = [s.index for s in report.rewritten if s.dataflow == "os"]
+  assert os_sites, str(report)
+  _corrupt_sites(monkeypatch, dataflow="os")
   result = meshslice.check(jitted, algorithm="collective")(params, opt, x)
   assert not result.ok
-  assert result.culprit is not None and result.culprit.index == ls_sites[0], str(result)
+  assert result.culprit is not None and result.culprit.index in os_sites, str(result)
   assert result.note.startswith("bisection: ") and "with every site left alone the " \
       "outputs agree, with only this site rewritten they still disagree" in result.note
   bad = {l.path for l in result.leaves if not l.ok}
-  assert "[2]['m']['w1']" in bad
+  assert "[2]['m']['w1']" in bad and result.leaves[3].plain_vs_reference.ok
 
 
 def test_check_names_no_site_when_plain_jit_is_off_everywhere_it_fails(monkeypatch):
@@ -344,9 +372,7 @@ def test_check_names_no_site_when_plain_jit_is_off_everywhere_it_fails(monkeypat
   loss = _loss(xs)
   step = jax.jit(jax.value_and_grad(loss), in_shardings=({"w1": ws, "w2": ws}, xs))
   params, x = _params(ws), _batch(xs)
-  real = check_module._reference
-  monkeypatch.setattr(check_module, "_reference", lambda *a, **k: (lambda outs, why: (
-      [check_module._Host(o.value + 1.0, o.dtype) for o in outs], why))(*real(*a, **k)))
+  _edit_reference(monkeypatch, lambda v: v + 1.0)
   _corrupt_sites(monkeypatch, factor=3.0)
   result = meshslice.check(step, algorithm="collective")(params, x)
   assert not result.ok, str(result)
