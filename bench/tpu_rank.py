@@ -5,9 +5,16 @@ data ls, backward weight rs of qkv, attn-out, mlp-up, mlp-down; one sequence of 
 tokens per chip; docs/costmodel.md section 8's os layout) on --topology as an RxC mesh,
 each candidate plan is compiled ahead of time (meshslice.aot_sites):
 
-    xla            plain jit, windowed einsum on (libtpu's default), async flags
-    xla dense      plain jit, windowed einsum off, async flags
-    meshslice S=k  the MeshSlice body with k slices (k = 1: the collective algorithm)
+    xla                  plain jit, windowed einsum on (libtpu's default), libtpu defaults
+    xla dense            plain jit, windowed einsum off, otherwise libtpu defaults
+    xla async            plain jit with the async flags the rewrite gets (the topology's
+                         generation's, backend_flags.tpu_overlap_flags)
+    xla dense async      windowed einsum off, with the async flags
+    meshslice S=k        the MeshSlice body with k slices (k = 1: the collective
+                         algorithm), with the async flags
+
+The planner's pick is scored against the best of the four XLA programs. The flags of
+each flag set are printed with the table.
 
 and read with the schedule simulator (costmodel.tpu_schedule.simulate; collectives timed
 with the profile's links derived for the mesh, as the planner prices them). Next to each
@@ -42,6 +49,11 @@ _RECORDS = flags.DEFINE_string("records", "/tmp/meshslice_tpu_rank.jsonl",
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the cases missing from --records")
 
 HIDDEN = {"gpt3": 12288, "megatron": 20480}
+# flag set (meshslice.aot_sites) -> whether the meshslice programs compile under it
+FLAG_SETS = {"async": True, "async_dense": False, "default": False, "dense": False}
+# candidate name -> flag set of XLA's program
+XLA_PROGRAMS = {"xla": "default", "xla dense": "dense", "xla async": "async",
+                "xla dense async": "async_dense"}
 LAYERS = (("qkv", 1, 3), ("attn_out", 1, 1), ("mlp_up", 1, 4), ("mlp_down", 4, 1))
 
 
@@ -71,10 +83,15 @@ def load_records(path):
 def compile_missing(cases, topology, mesh, ksplits, path):
   """Compile what `path` lacks, one flag set per subprocess, appending as it goes."""
   from meshslice.aot_sites import compile_in_subprocess
-  have = {(r["dataflow"], r["m"], r["k"], r["n"], r["flag_set"], r["topology"],
-           tuple(r["mesh"])) for r in load_records(path)}
-  for flag_set, ks in (("async", ksplits), ("async_dense", ())):
-    todo = [c for c in cases if (c.dataflow, c.m, c.k, c.n, flag_set, topology,
+  from meshslice import aot
+  from meshslice.aot_sites import flags_of
+  generation = aot.parse_topology(topology)[0].name
+  have = {(r["dataflow"], r["m"], r["k"], r["n"], r["flag_set"], r.get("flags"),
+           r["topology"], tuple(r["mesh"])) for r in load_records(path)}
+  for flag_set, ks in FLAG_SETS.items():
+    ks = ksplits if ks else ()
+    flags_ = " ".join(flags_of(flag_set, generation))
+    todo = [c for c in cases if (c.dataflow, c.m, c.k, c.n, flag_set, flags_, topology,
                                   tuple(mesh)) not in have]
     if not todo:
       continue
@@ -109,10 +126,13 @@ def _problem(case, mesh):
 
 def candidates(record_index, case, topology, mesh, ksplits):
   """[(candidate name, simulated seconds, predict(terms) -> seconds)] of one case that
-  were compiled."""
-  from meshslice import costing
+  were compiled (under the flags its flag set has today)."""
+  from meshslice import aot, costing
+  from meshslice.aot_sites import flags_of
+  generation = aot.parse_topology(topology)[0].name
   key = lambda program, flag_set: (case.dataflow, case.m, case.k, case.n, program, flag_set,
-                                   topology, tuple(mesh))
+                                   " ".join(flags_of(flag_set, generation)), topology,
+                                   tuple(mesh))
   problem = _problem(case, mesh)
   flow = case.dataflow
   out = []
@@ -120,10 +140,10 @@ def candidates(record_index, case, topology, mesh, ksplits):
     record = record_index.get(key(program, flag_set))
     if record is not None:
       out.append((name, record["step_s"], predict))
-  add("xla", "xla", "async",
-      lambda prof, terms: costing.xla_program(problem, prof, flow, "windowed", terms).seconds)
-  add("xla dense", "xla", "async_dense",
-      lambda prof, terms: costing.xla_program(problem, prof, flow, "dense", terms).seconds)
+  for name, flag_set in XLA_PROGRAMS.items():
+    baseline = "dense" if "dense" in flag_set else "windowed"
+    add(name, "xla", flag_set, lambda prof, terms, b=baseline: costing.xla_program(
+        problem, prof, flow, b, terms).seconds)
   for k in ksplits:
     algorithm = "collective" if k == 1 else "meshslice"
     add(f"meshslice S={k}", f"meshslice S={k}", "async",
@@ -133,18 +153,20 @@ def candidates(record_index, case, topology, mesh, ksplits):
 
 def planner_pick(case, mesh, site_prof, terms, ksplits) -> str:
   """The candidate name the pass would run for `case`: `costing.choose` over collective
-  and meshslice (fewest slices within the model's error of the fastest), left to XLA's
-  windowed program when that is predicted faster (`costing.leave_to_xla`)."""
+  and meshslice (fewest slices within the model's error of the fastest), left to XLA
+  unless predicted faster than XLA's windowed program by more than `costing.XLA_MARGIN`
+  (`costing.leave_to_xla`). A site left to XLA runs XLA's program under the same flags
+  as the rewrite: "xla async"."""
   from meshslice import costing
   problem = _problem(case, mesh)
   choice = costing.choose(problem, site_prof, case.dataflow, terms=terms,
                           algorithms=costing.AUTO_ALGORITHMS,
                           ksplits=tuple(k for k in ksplits if k > 1))
   if choice is None or choice.algorithm is None:
-    return "xla"
+    return "xla async"
   xla = costing.xla_program(problem, site_prof, case.dataflow, "windowed", terms)
   if costing.leave_to_xla(choice.seconds, choice.algorithm == "collective", xla):
-    return "xla"
+    return "xla async"
   return f"meshslice S={1 if choice.algorithm == 'collective' else choice.ksplit}"
 
 
@@ -155,7 +177,7 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
   from meshslice.costmodel import load_profile, profile_for_mesh, xla_baseline
   from meshslice.costmodel.calibrate import spearman
   index = {(r["dataflow"], r["m"], r["k"], r["n"], r["program"], r["flag_set"],
-            r["topology"], tuple(r["mesh"])): r for r in records}
+            r.get("flags"), r["topology"], tuple(r["mesh"])): r for r in records}
   site_prof = profile_for_mesh(load_profile(profile), tuple(mesh))
   terms = xla_baseline.read_terms(profile)
   lines = [f"{topology} as {'x'.join(map(str, mesh))}, profile {profile}; seconds x 1e3 "
@@ -186,20 +208,22 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
     pick = planner_pick(case, mesh, site_prof, terms, ksplits)
     if pick in names:
       rule.append(sim[names.index(pick)] / min(sim))
-      xla = [t for name, t in zip(names, sim) if name in ("xla", "xla dense")]
+      xla = [t for name, t in zip(names, sim) if name in XLA_PROGRAMS]
       if xla:
         versus_xla.append(sim[names.index(pick)] / min(xla))
   if rule:
     lines.append(
         f"planner's rule (fewest slices within {costing.NEAR_TIE:.0%} of the fastest, "
-        f"then against XLA's windowed program): the simulated best on "
+        f"then against XLA's windowed program by more than {costing.XLA_MARGIN:.0%}): "
+        f"the simulated best on "
         f"{sum(r == 1.0 for r in rule)} of {len(rule)} sites, "
         f"{(np.mean(rule) - 1) * 100:.1f} % slower than it on average "
         f"(worst {(max(rule) - 1) * 100:.1f} %)")
   if versus_xla:
     slower = [r for r in versus_xla if r > 1.0]
     lines.append(
-        f"planner's pick against the better of XLA's programs (windowed einsum on / off): "
+        f"planner's pick against the best of XLA's four programs (windowed einsum on / "
+        f"off, libtpu defaults / async flags): "
         f"slower on {len(slower)} of {len(versus_xla)} sites"
         + (f" (worst +{(max(slower) - 1) * 100:.1f} %)" if slower else "")
         + f", {(1 - np.mean(versus_xla)) * 100:.1f} % faster on average")
@@ -214,6 +238,12 @@ def report(cases, records, *, topology, mesh, profile, ksplits) -> str:
         f"on {sum(r == 1.0 for r in regret)} of {len(regret)} sites, "
         f"{(np.mean(regret) - 1) * 100:.1f} % slower than it on average "
         f"(worst {(max(regret) - 1) * 100:.1f} %)")
+  from meshslice import aot
+  from meshslice.aot_sites import flags_of
+  generation = aot.parse_topology(topology)[0].name
+  lines.append("libtpu flags (LIBTPU_INIT_ARGS) per flag set:")
+  for name, flag_set in [*XLA_PROGRAMS.items(), ("meshslice S=k", "async")]:
+    lines.append(f"  {name}: {' '.join(flags_of(flag_set, generation)) or '(libtpu defaults)'}")
   return "\n".join(lines)
 
 

@@ -15,8 +15,11 @@ Programs compiled per case, each read with `meshslice.costmodel.tpu_schedule`:
                       algorithm)
 
 Flag sets (libtpu reads its flags once per process, so each runs in its own subprocess):
-"async" = `aot.ASYNC_FLAGS` (the flags the rewrite is planned for; windowed einsum on, as
-by default), "async_dense" = those plus `aot.DENSE_FLAGS` (windowed einsum off).
+"async" = the topology's generation's async collective flags
+(`backend_flags.tpu_overlap_flags`: the flags the rewrite is planned for; windowed einsum
+on, as by default), "async_dense" = those plus `aot.DENSE_FLAGS` (windowed einsum off),
+"default" (libtpu defaults) and "dense" (`aot.DENSE_FLAGS` alone): XLA's program as users
+without the async flags get it. Each record carries the flags it was compiled with.
 
 Example:
   >>> cases = [Case(dataflow="os", m=8192, k=8192, n=8192)]
@@ -33,7 +36,7 @@ import os
 import subprocess
 import sys
 
-FLAG_SETS = ("async", "async_dense")
+FLAG_SETS = ("async", "async_dense", "default", "dense")
 
 _SPECS = {"os": (("x", "y"), ("x", "y")), "ls": (("x", "y"), ("y", "x")),
           "rs": (("y", "x"), ("x", "y"))}
@@ -51,13 +54,14 @@ class Case:
   label: str = ""
 
 
-def _flags(flag_set: str):
+def flags_of(flag_set: str, generation: str | None = None) -> tuple:
+  """The libtpu flags of a flag set (module docstring) on a TPU generation."""
   from . import aot
-  if flag_set == "async":
-    return aot.ASYNC_FLAGS
-  if flag_set == "async_dense":
-    return aot.ASYNC_FLAGS + aot.DENSE_FLAGS
-  raise ValueError(f"flag set must be one of {FLAG_SETS}, got {flag_set!r}")
+  presets = {"async": ("async",), "async_dense": ("async", "dense"), "default": (),
+             "dense": ("dense",)}
+  if flag_set not in presets:
+    raise ValueError(f"flag set must be one of {FLAG_SETS}, got {flag_set!r}")
+  return aot.preset_flags(presets[flag_set], generation)
 
 
 def _geometry(case: Case, rows: int, cols: int, dtype):
@@ -111,7 +115,8 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
   "program", "flag_set" and the figures of `_record`. A ksplit the case cannot slice
   exactly is skipped."""
   from . import aot
-  aot.set_flags(*_flags(flag_set))
+  gen, _ = aot.parse_topology(topology)
+  aot.set_flags(*flags_of(flag_set, gen.name))
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -141,6 +146,7 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
     for name, fn in programs.items():
       compiled, seconds = aot.compile(fn, *args, mesh=mesh)
       record = dict(dataclasses.asdict(case), program=name, flag_set=flag_set,
+                    flags=" ".join(flags_of(flag_set, gen.name)),
                     topology=topology, mesh=[rows, cols], compile_s=seconds,
                     **_record(compiled, gen.profile, (rows, cols)))
       del compiled
@@ -257,8 +263,8 @@ def calibrate_main(argv) -> int:
   from importlib.metadata import version
   source = (f"python -m meshslice calibrate --aot {args.aot} --mesh {mesh[0]}x{mesh[1]} "
             f"--shapes {args.shapes} --ksplits {args.ksplits}; jax {jax.__version__}, "
-            f"libtpu {version('libtpu')}, flags: aot.ASYNC_FLAGS (+ DENSE_FLAGS for the "
-            "dense program)")
+            f"libtpu {version('libtpu')}, flags: {' '.join(flags_of('async', gen.name))} "
+            "(+ DENSE_FLAGS for the dense program)")
   fallback = xla_baseline.builtin_terms(base.name) or xla_baseline.builtin_terms("tpu-v4")
   terms, notes = compiler_fit.fit_terms(records, base, CLOCK_HZ.get(base.name, 1.05e9),
                                         fallback=fallback, source=source)

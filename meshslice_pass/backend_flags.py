@@ -142,17 +142,19 @@ def overlap_note(sites, mesh, environ=None) -> tuple:
   platform = getattr(device, "platform", "")
   generation = tpu_generation(getattr(device, "device_kind", "")) if platform == "tpu" else None
   notes = []
-  missing = missing_overlap_flags(platform, environ, generation=generation)
+  unsafe = unsafe_flags(generation, flags_in_effect(environ)) if platform == "tpu" else ()
+  # a flag set to an unsafe value gets its own note below
+  keys = {f.split("=", 1)[0] for f in unsafe}
+  missing = tuple(f for f in missing_overlap_flags(platform, environ, generation=generation)
+                  if f.split("=", 1)[0] not in keys)
   if missing:
     variable = _VARIABLE["gpu" if platform in ("gpu", "cuda", "rocm") else platform]
     chip = f"TPU {generation}" if generation else platform.upper()
     notes.append(f"sliced collectives overlap the matmuls on {chip} only with "
                  f"{' '.join(missing)} in {variable} (set before jax starts; docs/tpu.md); "
                  "without them the slices run one after another")
-  if platform == "tpu":
-    unsafe = unsafe_flags(generation, flags_in_effect(environ))
-    if unsafe:
-      notes.append(f"{' '.join(unsafe)} (all-gather continuation fusion) is set, which the "
-                   f"newest libtpu refuses on TPU {generation} as unsafe (incorrect results, "
-                   f"hangs); use {' '.join(tpu_overlap_flags(generation))} (docs/tpu.md)")
+  if unsafe:
+    notes.append(f"{' '.join(unsafe)} (all-gather continuation fusion) is set, which the "
+                 f"newest libtpu refuses on TPU {generation} as unsafe (incorrect results, "
+                 f"hangs); use {' '.join(tpu_overlap_flags(generation))} (docs/tpu.md)")
   return tuple(notes)

@@ -135,22 +135,66 @@ def predict(problem, profile, algorithm, dataflow, ksplit, terms=None) -> float:
   return float(costmodel.predict(problem, algorithm, dataflow, ksplit, profile).total_s)
 
 
-def xla_program(problem, profile, dataflow, baseline, terms) -> xla_baseline.XlaProgram:
+def xla_program(problem, profile, dataflow, baseline, terms,
+                windowed_off=frozenset()) -> xla_baseline.XlaProgram:
   """XLA's own program for the site under `baseline` ("windowed" or "dense"). Windowed
   einsum loops an all-gather or a reduce-scatter, never an all-reduce, so an all-reduce
-  site gets XLA's dense program either way."""
+  site gets XLA's dense program either way; nor does it fire for a collective the
+  user's libtpu flags turn it off for (`windowed_off`: a subset of {"all_gather",
+  "reduce_scatter"}, `backend_flags.windowed_einsum_off`), which XLA then runs dense.
+
+  Example:
+    >>> from meshslice.costmodel import GemmProblem, load_profile
+    >>> p = GemmProblem(m=65536, n=8192, k=8192, rows=8, cols=8)
+    >>> terms = xla_baseline.builtin_terms("tpu-v4")
+    >>> xla_program(p, load_profile("tpu-v4"), "ls", "windowed", terms).windowed
+    True
+    >>> xla_program(p, load_profile("tpu-v4"), "ls", "windowed", terms,
+    ...             windowed_off={"reduce_scatter"}).windowed
+    False
+  """
   if problem.reduction == "all_reduce":
     baseline = "dense"
+  elif baseline == "windowed" and windowed_off:
+    (kind, *_), _ = xla_baseline.windowed_movement(problem, dataflow)
+    if kind in windowed_off:
+      baseline = "dense"
   return xla_baseline.xla_seconds(problem, dataflow, profile, terms, baseline)
 
 
-def leave_to_xla(best_seconds, best_is_collective, xla) -> bool:
-  """Whether XLA's program should run the site rather than the best rewrite: the
-  rewrite must be predicted strictly faster, except that the collective rewrite, which
-  compiles to XLA's dense program, keeps a tie with it."""
-  if best_is_collective and not xla.windowed:
+# A rewrite is emitted only when it is predicted faster than XLA's own program for the
+# site (under the same flags) by more than this fraction: inside it the prediction
+# cannot tell them apart, and leaving the site to XLA costs nothing (the program compiles
+# as plain jit would). Larger than NEAR_TIE, the margin between two rewrites: a rewrite
+# also pays what the per-site model does not see (pipeline fill and drain at site
+# boundaries, barriers that stop XLA's scheduler overlapping independent work across
+# sites, docs/tpu.md), which XLA's own program does not.
+XLA_MARGIN = 0.05
+
+
+def leave_to_xla(best_seconds, best_is_collective, xla, margin=XLA_MARGIN, *,
+                 same_program=False) -> bool:
+  """Whether XLA's program should run the site rather than the best rewrite: unless the
+  rewrite is predicted faster than XLA's program by more than `margin` (a fraction of
+  the rewrite's time: best * (1 + margin) < xla), the site is left to XLA.
+
+  same_program: the collective rewrite compiles to the very program XLA would run for
+  the site (CPU and GPU meshes: the same synchronous all-gathers, dot and
+  reduce-scatter), so a tie with XLA's dense program keeps it. Not on TPU, where XLA
+  schedules its own collectives under the async flags and may partition differently
+  (issue 18: a MaxText-style step re-emitting such ties simulated 1.33x slower).
+
+  Example:
+    >>> from meshslice.costmodel.xla_baseline import XlaProgram
+    >>> xla = XlaProgram(seconds=1.0, windowed=False, description="dense program")
+    >>> leave_to_xla(0.97, False, xla), leave_to_xla(0.90, False, xla)
+    (True, False)
+    >>> leave_to_xla(1.0, True, xla), leave_to_xla(1.0, True, xla, same_program=True)
+    (True, False)
+  """
+  if best_is_collective and same_program and not xla.windowed:
     return best_seconds > xla.seconds * (1 + 1e-9)
-  return best_seconds >= xla.seconds
+  return not best_seconds * (1 + margin) < xla.seconds
 
 
 class Choice(typing.NamedTuple):

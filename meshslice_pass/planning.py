@@ -12,8 +12,10 @@ blocks of at least min_block elements, the plan that fits the chip's HBM
 model's error) of the fastest wins: collective before meshslice, smaller S before larger
 (each slice costs the compiled program more than the model prices). When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile
 with TPU compiler terms every plan is priced as compiled (`costmodel.xla_baseline`), and
-the winner must beat XLA's own program for the site (option xla_baseline): otherwise
-the site is left alone, its reason naming both predicted times.
+the winner must beat XLA's own program for the site (option xla_baseline; priced under
+this process's libtpu flags: windowed einsum turned off there is not XLA's program) by
+more than `costing.XLA_MARGIN` (the model's error): otherwise the site is left alone,
+its reason naming both predicted times, and compiles as plain jit would.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from meshslice import costmodel, rewrites
 from meshslice.rewrites import GemmGeometry
 
 from . import analysis as A
+from . import backend_flags
 from . import costing
 from . import matching
 from . import specs as S
@@ -292,16 +295,20 @@ def _xla_baseline(options) -> str:
 
 
 def _versus_xla(best, site, ctx, request, base):
-  """`best`, or the site left to XLA when XLA's own program for it (in the operands'
-  own layouts) is predicted at least as fast (`costing.leave_to_xla`). Only automatic
-  plans are compared: a pinned algorithm, ksplit or dataflow is the user's call."""
+  """`best`, or the site left to XLA unless the rewrite is predicted faster than XLA's
+  own program for it (in the operands' own layouts, under this process's libtpu flags)
+  by more than `costing.XLA_MARGIN` (`costing.leave_to_xla`). Only automatic plans are
+  compared: a pinned algorithm, ksplit or dataflow is the user's call."""
   mode = _xla_baseline(ctx.options)
   pinned = (request.algorithm, request.ksplit, request.dataflow) != (None, None, None)
   if mode == "none" or pinned or request.rewrite is True:
     return best
   profile = _profile(ctx, site.geometry)
   flow = costing.model_dataflow(site.dataflow)
-  xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms)
+  # XLA's program under the flags this process compiles with (libtpu reads them once)
+  off = backend_flags.windowed_einsum_off(backend_flags.flags_in_effect())
+  xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms,
+                            windowed_off=off)
   collective = best.algorithm == "collective" or best.ksplit == 1
   too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
                                                           profile)
@@ -309,16 +316,27 @@ def _versus_xla(best, site, ctx, request, base):
     # XLA's dense program holds what the collective plan holds: no more a choice than it
     return dataclasses.replace(best, note=_join(
         best.note, f"XLA's own program ({xla.description}) does not fit HBM either"))
-  if not costing.leave_to_xla(best.predicted_seconds, collective, xla):
+  if not costing.leave_to_xla(best.predicted_seconds, collective, xla,
+                              same_program=_compiles_as_xla(ctx)):
     return dataclasses.replace(best, note=_join(
         best.note, f"XLA's own program ({xla.description}): {xla.seconds * 1e6:.1f} us"))
   plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
   return Site(rewritten=False, predicted_seconds=xla.seconds,
               baseline_seconds=site.baseline_seconds, profile=profile,
-              reason=(f"XLA's own program is predicted at least as fast: "
-                      f"{xla.description} {xla.seconds * 1e6:.1f} us vs the best rewrite "
-                      f"({plan}) {best.predicted_seconds * 1e6:.1f} us"),
+              reason=(f"left to XLA: the best rewrite ({plan}) "
+                      f"{best.predicted_seconds * 1e6:.1f} us is not predicted faster than "
+                      f"XLA's own program ({xla.description}) {xla.seconds * 1e6:.1f} us "
+                      f"by more than the {costing.XLA_MARGIN:.0%} margin"),
               **base)
+
+
+def _compiles_as_xla(ctx) -> bool:
+  """Whether the collective rewrite compiles to XLA's own program for a site: on a
+  concrete mesh of CPU or GPU devices (synchronous collectives, the same partitioning).
+  On TPU devices, or an AbstractMesh planned with a TPU profile, it does not
+  (`costing.leave_to_xla`)."""
+  devices = _devices(ctx)
+  return devices is not None and getattr(devices.flat[0], "platform", "tpu") != "tpu"
 
 
 def _honours(candidate, request, site) -> bool:

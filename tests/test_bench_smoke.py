@@ -64,6 +64,7 @@ def test_tpu_rank_scores_the_planners_rule_against_the_fastest_prediction(tmp_pa
   run. On GPT-3's qkv backward-data site at 256 chips the built-in terms predict S=2 only
   0.3 % faster than S=1, so the rule runs S=1 where the fastest prediction takes S=2;
   on the forward site S=4 is predicted 3.6 % ahead of S=2 and both take it."""
+  from meshslice.aot_sites import flags_of
   tokens = 2048 * 256
   simulated = {   # case -> program -> seconds; S=1 best on bwd-data, S=4 on fwd
       ("os", tokens, 12288, 36864): {"xla": 2.0, "meshslice S=1": 1.2, "meshslice S=2": 1.1,
@@ -75,12 +76,15 @@ def test_tpu_rank_scores_the_planners_rule_against_the_fastest_prediction(tmp_pa
     for (flow, m, k, n), programs in simulated.items():
       for program, seconds in programs.items():
         f.write(json.dumps({"dataflow": flow, "m": m, "k": k, "n": n, "program": program,
-                            "flag_set": "async", "topology": "v4:8x8x4", "mesh": [32, 8],
+                            "flag_set": "async", "flags": " ".join(flags_of("async", "v4")),
+                            "topology": "v4:8x8x4", "mesh": [32, 8],
                             "step_s": seconds}) + "\n")
   out = _run("tpu_rank.py", "--nocompile", "--models=gpt3", f"--records={records}")
   assert re.search(r"planner's rule .*: the simulated best on 2 of 2 sites, 0\.0 % slower "
                    r"than it on average \(worst 0\.0 %\)", out), out
   assert re.search(r"terms: .* the simulated best on 1 of 2 sites, 5\.0 % slower than it "
                    r"on average \(worst 10\.0 %\)", out), out
-  assert re.search(r"planner's pick against the better of XLA's programs .*: slower on 0 of "
-                   r"2 sites, 50\.0 % faster on average", out), out
+  assert re.search(r"planner's pick against the best of XLA's four programs .*: slower on 0 "
+                   r"of 2 sites, 50\.0 % faster on average", out), out
+  # every flag set's libtpu flags are stated
+  assert "  xla: (libtpu defaults)" in out and "  xla async: --xla_tpu_enable_async" in out

@@ -104,7 +104,8 @@ def test_site_costs_use_the_torus_placement_of_their_mesh_axes():
     expected = costmodel.predict(site.problem, site.algorithm, site.dataflow, site.ksplit,
                                  derived).total_s
     assert site.predicted_seconds == pytest.approx(expected, rel=1e-12)
-    site, = meshslice.explain(f)(x, w).sites
+    # (not compared with XLA's own program, which the default plan leaves this site to)
+    site, = meshslice.explain(f, xla_baseline="none")(x, w).sites
     expected = xla_baseline.compiled_seconds(site.problem, site.algorithm, site.dataflow,
                                              site.ksplit, derived,
                                              xla_baseline.builtin_terms("tpu-v4"))
@@ -152,7 +153,10 @@ def test_the_gpt3_layer_at_64x4_runs_fewer_slices_where_the_model_cannot_tell():
   compiled program agrees (docs/tpu.md: 1.056x -> 1.032x dense compute)."""
   import re
   from meshslice import demo
-  report = demo.plan_at_scale(demo.GPT3_LAYER, mesh_shape=(64, 4), echo=lambda *a: None)
+  # the rule between rewrites; against XLA (by more than costing.XLA_MARGIN) these
+  # sites are left alone by the default plan
+  report = demo.plan_at_scale(demo.GPT3_LAYER, mesh_shape=(64, 4), echo=lambda *a: None,
+                              xla_baseline="none")
   overridden = [s for s in report.rewritten if "fewer slices than" in s.note]
   assert overridden
   for s in overridden:

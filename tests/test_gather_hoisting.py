@@ -109,7 +109,9 @@ def test_weight_gradients_are_not_tied_when_compiling_for_tpu():
   assert target_platform(tpu_mesh) == "tpu"
   assert target_platform(mesh((2, 4))) == "cpu"
   jitted, params, x = _setup(layers=1, msh=tpu_mesh)
-  fast = meshslice.transform(jitted)
+  # sites rewritten even where they only tie with XLA's program (on TPU devices the
+  # default plan leaves those to XLA)
+  fast = meshslice.transform(jitted, xla_baseline="none")
   with jax.set_mesh(tpu_mesh):
     weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
     assert weight_grads and {s.dataflow for s in weight_grads} == {"rs"}

@@ -317,8 +317,9 @@ def test_aot_compile_of_a_rewritten_matmul_on_v4():
 def test_default_plan_of_an_all_reduce_site_compiles_to_plain_jits_program():
   """A row-parallel matmul whose result is wanted whole over y (an all-reduce site). On
   TPU the sliced psums stay synchronous and the slices cost compute (measured: S = 2 and
-  4 at 8192^2 take 1.8x plain's cycles), so the planner keeps one psum there: the same
-  program as plain jit."""
+  4 at 8192^2 take 1.8x plain's cycles), so the best rewrite is one psum, XLA's own
+  program: the site is left to XLA (a tie is no reason to rewrite), and the program is
+  plain jit's."""
   pytest.importorskip("libtpu")
   import meshslice
   mesh = aot.make_mesh("v4:2x2x2", (2, 4))
@@ -330,7 +331,8 @@ def test_default_plan_of_an_all_reduce_site_compiles_to_plain_jits_program():
   fast = meshslice.transform(f)
   with jax.set_mesh(mesh):
     site, = fast.explain(x, w).sites
-  assert (site.dataflow, site.ksplit, site.rewritten) == ("1d-allreduce", 1, True)
+  assert not site.rewritten and site.reason.startswith(
+      "left to XLA: the best rewrite (collective 1d-allreduce S=1) ")
   plain, rewritten = (aot.analyze(aot.compile(g, x, w, mesh=mesh)[0], "tpu-v4").summary
                       for g in (f, fast))
   assert rewritten.collective_count == plain.collective_count == {"all-reduce": 1}

@@ -1,0 +1,153 @@
+"""Compiler-verified plans: compile candidate plans ahead of time for the target TPU
+topology, simulate each compiled program, keep the fastest.
+
+The planner's per-site model can be wrong about a whole step (it does not see how XLA
+schedules independent work across sites, nor every cost of a slice). `tune` spends
+compile time instead: each candidate plan is frozen into a `Plan` (every site pinned:
+rewritten as planned, or `rewrite=False`), compiled with libtpu for the mesh's topology
+(no TPU needed, `meshslice.aot`), read with `costmodel.tpu_schedule` and simulated; the
+fastest simulated step wins. Plain XLA (every site left alone) is always a candidate
+and wins ties, so a tuned plan is never slower than XLA on the simulated schedule of
+the compiler's own program.
+
+    import meshslice
+    from meshslice import aot
+    aot.set_flags(*aot.preset_flags("async", "v4"))          # before libtpu loads
+    mesh = aot.make_mesh("v4:2x2x2", (2, 4))
+    plan = meshslice.tune(step, *aot.abstract_args(args, shardings_on(mesh)), mesh=mesh)
+    fast_step = meshslice.transform(step, plan=plan)        # on the real pod
+
+Candidates ({name: transform options}, `CANDIDATES`): "xla" (always added), "default"
+(the default plan), "collective", "ksplit=2", "ksplit=4". The plan is a deterministic
+function of the program, the mesh, the candidates and the libtpu in use: nothing runs on
+a device, nothing is timed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+CANDIDATES = {
+    "default": {},
+    "collective": {"algorithm": "collective"},
+    "ksplit=2": {"algorithm": "meshslice", "ksplit": 2},
+    "ksplit=4": {"algorithm": "meshslice", "ksplit": 4},
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+  """One compiled candidate: its frozen plan and what the compiler made of it."""
+
+  name: str
+  plan: object
+  result: object          # aot.AotResult
+
+  @property
+  def step_s(self) -> float:
+    return self.result.simulation.step_s
+
+
+def _frozen(report):
+  """The report's plan with every site pinned: left-alone sites as rewrite=False."""
+  plan = report.plan
+  for site in report.sites:
+    if not site.rewritten:
+      plan = plan.edit(site.index, rewrite=False)
+  return plan
+
+
+def _decisions(plan) -> tuple:
+  """What a frozen plan compiles: per site, left alone or (algorithm, dataflow, ksplit)."""
+  return tuple((e["index"], None if e.get("rewrite") is False
+                else (e.get("algorithm"), e.get("dataflow"), e.get("ksplit")))
+               for e in plan.sites)
+
+
+def _generation(mesh):
+  from .backend_flags import tpu_generation
+  kinds = {getattr(d, "device_kind", "") for d in mesh.devices.flat}
+  return next((g for g in map(tpu_generation, kinds) if g), None)
+
+
+def tune(step, *args, mesh, topology: str | None = None, candidates=None,
+         profile: str | None = None, echo=None, results: dict | None = None):
+  """The fastest of the candidate plans for `step` on `mesh`, as a `meshslice.Plan`.
+
+  step: the user's jitted step; args: its abstract arguments (ShapeDtypeStructs with
+  shardings on `mesh`). mesh: a concrete `jax.sharding.Mesh` of TPU devices (e.g.
+  `aot.make_mesh("v4:8x8x4", (64, 4))`), or a shape tuple with `topology`, in which
+  case the arguments' shardings are moved onto that topology's mesh (same axis names
+  and specs). candidates: {name: meshslice.transform options} (default `CANDIDATES`);
+  "xla" (every site left alone) is always compiled first and wins ties. profile: for
+  planning and the simulator (default: the topology's generation). echo: a print-like
+  callable for one line per candidate. results: a dict to receive {name: Candidate}.
+
+  libtpu reads its flags once per process: set them before the first compile (when
+  neither LIBTPU_INIT_ARGS is set nor libtpu loaded, the generation's async flags are
+  set here, `aot.preset_flags("async", generation)`).
+
+  Raises:
+    ValueError: the mesh is not a TPU mesh, or a candidate's options are invalid.
+  """
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  from . import aot
+  from .transform import transform
+  if not isinstance(mesh, Mesh):
+    if topology is None:
+      raise ValueError("tune: mesh must be a concrete jax.sharding.Mesh of TPU devices "
+                       "(aot.make_mesh), or a shape tuple together with topology=")
+    gen, _ = aot.parse_topology(topology)
+    if not aot._FLAGS_AT_LOAD and "LIBTPU_INIT_ARGS" not in os.environ:
+      aot.set_flags(*aot.preset_flags("async", gen.name))
+    names = next((a.sharding.mesh.axis_names for a in jax.tree.leaves(args)
+                  if isinstance(getattr(a, "sharding", None), NamedSharding)), None)
+    if names is None or len(names) != len(tuple(mesh)):
+      raise ValueError(f"tune: mesh shape {tuple(mesh)} needs arguments with NamedShardings "
+                       f"over as many axes to move onto {topology}")
+    mesh = aot.make_mesh(topology, tuple(mesh), tuple(names))
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)), args)
+  generation = _generation(mesh)
+  if generation is None:
+    raise ValueError("tune: the mesh's devices are not TPUs; tune compiles for a TPU "
+                     "topology (meshslice.aot.make_mesh)")
+  profile = profile or aot.GENERATIONS[generation].profile
+  mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
+  wanted = {"xla": None, **(CANDIDATES if candidates is None else candidates)}
+  out = {}
+  for name, options in wanted.items():
+    if options is not None and not isinstance(options, dict):
+      raise ValueError(f"tune: candidate {name!r} must be a dict of meshslice.transform "
+                       f"options, got {options!r}")
+    with jax.set_mesh(mesh):
+      report = transform(step, **{"profile": profile, **(options or {})}).explain(*args)
+    plan = report.plan
+    if options is None:                          # XLA's own program: every site left alone
+      for site in report.sites:
+        plan = plan.edit(site.index, rewrite=False)
+    else:
+      plan = _frozen(report)
+    same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
+    if same is not None:
+      out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
+    else:
+      fn = step if options is None else transform(step, profile=profile, plan=plan)
+      compiled, seconds = aot.compile(fn, *args, mesh=mesh)
+      out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
+          compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
+      del compiled
+    if echo is not None:
+      c = out[name]
+      rewritten = sum(1 for e in c.plan.sites if e.get("rewrite") is not False)
+      echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  "
+           f"({rewritten} of {len(c.plan.sites)} sites rewritten)")
+  best = min(out.values(), key=lambda c: c.step_s)      # first (xla) wins ties
+  if results is not None:
+    results.update(out)
+  if echo is not None:
+    xla = out["xla"].step_s
+    echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program; flags: "
+         f"{out['xla'].result.flags or '(libtpu defaults)'})")
+  return best.plan

@@ -1,0 +1,180 @@
+"""Never slower than XLA (issue 18, deliverable 4): a site is rewritten only when the
+rewrite is predicted faster than XLA's own program for it, under the same libtpu flags,
+by more than `costing.XLA_MARGIN`; otherwise it is left alone, its reason giving both
+times, and a program whose sites are all left alone compiles as plain jit does."""
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+from meshslice import backend_flags, costing
+from meshslice.costmodel import xla_baseline
+
+from helpers import mesh
+
+
+def _small(msh):
+  s = NamedSharding(msh, P("x", "y"))
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=s)
+  w = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=s)
+  return jax.jit(lambda a, b: jnp.tanh(a @ b)), x, w
+
+
+def _abstract(shape=(2, 4)):
+  return jax.sharding.AbstractMesh(shape, ("x", "y"),
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def test_a_site_predicted_no_faster_than_xla_is_left_alone_with_both_times():
+  # planned for TPU (an AbstractMesh with a TPU profile): the collective rewrite ties
+  # with XLA's dense program, and was re-emitted on a tie until now
+  f, x, w = _small(_abstract())
+  site, = meshslice.explain(f, profile="tpu-v4")(x, w).sites
+  assert not site.rewritten
+  times = re.findall(r"([\d.]+) us", site.reason)
+  assert len(times) == 2, site.reason
+  assert site.reason.startswith("left to XLA: the best rewrite (collective os S=1) ")
+  assert "XLA's own program (dense program)" in site.reason
+  assert site.reason.endswith(f"by more than the {costing.XLA_MARGIN:.0%} margin")
+  # the analytic model alone (no TPU compiler terms: no XLA candidate) still rewrites
+  assert meshslice.explain(f, profile="cpu")(x, w).sites[0].rewritten
+  # on CPU devices the collective rewrite is XLA's own program: kept on a tie
+  f, x, w = _small(mesh((2, 4)))
+  assert meshslice.explain(f, profile="tpu-v4")(x, w).sites[0].rewritten
+
+
+def _hlo(fn, *args):
+  """The compiled program's HLO text without what names the Python caller: the module
+  name, op metadata (op names, source lines, stack frames), the stack-frame tables, and
+  instruction names (renumbered in order of appearance)."""
+  text = fn.lower(*args).compile().as_text()
+  text = re.sub(r"^HloModule \S+", "HloModule m", text, count=1)
+  text = re.sub(r",? metadata=\{[^}]*\}", "", text)
+  kept, table = [], False
+  for line in text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      table = True
+    elif not line.strip():
+      table = False
+    if not table:
+      kept.append(line)
+  assert any("ENTRY" in line for line in kept)
+  text = "\n".join(kept).strip()
+  # instruction and computation names follow the jaxpr's op names: number them in order
+  names = {}
+  return re.sub(r"%[\w.\-]+|\b[\w\-]+(?:\.\d+)*(?=: [a-z]+\d*\[)",
+                lambda m: names.setdefault(m.group(0).lstrip("%"), f"%v{len(names)}"), text)
+
+
+def test_a_program_with_every_site_left_alone_compiles_to_plain_jits_hlo():
+  # on CPU: every site left alone (by request: on CPU devices the collective rewrite is
+  # XLA's own program, so ties are kept there)
+  f, x, w = _small(mesh((2, 4)))
+  args = [jax.device_put(jnp.ones(a.shape, a.dtype), a.sharding) for a in (x, w)]
+  pinned = meshslice.transform(f, overrides={0: {"rewrite": False}})
+  assert not any(s.rewritten for s in pinned.explain(*args).sites)
+  assert _hlo(pinned, *args) == _hlo(f, *args)
+  # the comparison sees a rewrite: the collective one (the same collectives, written
+  # with the mesh's replica groups) and a sliced one
+  assert _hlo(meshslice.transform(f, profile="cpu"), *args) != _hlo(f, *args)
+  assert _hlo(meshslice.transform(f, ksplit=2), *args) != _hlo(f, *args)
+
+
+def test_sites_left_to_xla_on_tpu_compile_to_plain_jits_hlo():
+  # compiled for TPU (libtpu, v4:2x2x2): the default plan leaves both sites of this
+  # program to XLA (ties with its dense program), and the program is plain jit's
+  pytest.importorskip("libtpu")
+  from meshslice import aot
+  tpu = aot.make_mesh("v4:2x2x2", (2, 4))
+  s = NamedSharding(tpu, P("x", "y"))
+  x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=s)
+  f = jax.jit(lambda a, b, c: jnp.tanh(a @ b) @ c)
+  fast = meshslice.transform(f, profile="tpu-v4")
+  with jax.set_mesh(tpu):
+    sites = fast.explain(x, w, w).sites
+  assert len(sites) == 2 and not any(site.rewritten for site in sites)
+  assert all(site.reason.startswith("left to XLA") for site in sites)
+  with jax.set_mesh(tpu):
+    assert _hlo(fast, x, w, w) == _hlo(f, x, w, w)
+
+
+def test_margin_is_explicit_and_applies_to_sliced_rewrites():
+  dense = xla_baseline.XlaProgram(seconds=1.0, windowed=False, description="dense program")
+  faster_by = lambda r: (1 / r - 1)
+  assert costing.leave_to_xla(1 / 1.04, False, dense)            # 4% faster: inside
+  assert not costing.leave_to_xla(1 / 1.06, False, dense)        # 6% faster: rewritten
+  assert faster_by(1 / 1.06) > costing.XLA_MARGIN > faster_by(1 / 1.04)
+
+
+def _pod_site():
+  am = jax.sharding.AbstractMesh((32, 8), ("x", "y"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  s = NamedSharding(am, P("x", "y"))
+  x = jax.ShapeDtypeStruct((65536, 8192), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=s)
+  return jax.jit(lambda a, b: a @ b), x, w
+
+
+def test_xla_is_priced_under_the_users_windowed_einsum_flags(monkeypatch):
+  # the rival is what XLA compiles under this process's LIBTPU_INIT_ARGS: with windowed
+  # einsum turned off there, XLA runs its dense program, not the windowed loop
+  asked = []
+  real = costing.xla_program
+  def spy(*args, **kwargs):
+    program = real(*args, **kwargs)
+    asked.append(program.windowed)
+    return program
+  monkeypatch.setattr(costing, "xla_program", spy)
+  f, x, w = _pod_site()
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+  meshslice.explain(f, profile="tpu-v4", relayout=False)(x, w)
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(backend_flags.DENSE_FLAGS))
+  meshslice.explain(f, profile="tpu-v4", relayout=False)(x, w)
+  assert asked == [True, False]
+
+
+def test_windowed_einsum_flags_are_read_per_collective():
+  off = backend_flags.windowed_einsum_off
+  assert off("") == frozenset()
+  assert off("--xla_tpu_enable_windowed_einsum_for_all_gather=false") == {"all_gather"}
+  assert off("--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false "
+             "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=true") == frozenset()
+
+
+def test_deterministic():
+  f, x, w = _small(_abstract())
+  one = meshslice.explain(f, profile="tpu-v4")(x, w).sites
+  two = meshslice.explain(f, profile="tpu-v4")(x, w).sites
+  assert one == two
+
+
+def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
+  # meshslice.tune: candidate plans compiled for v4:2x2x2, plain XLA always among them
+  pytest.importorskip("libtpu")
+  from meshslice import aot
+  tpu = aot.make_mesh("v4:2x2x2", (2, 4))
+  s = NamedSharding(tpu, P("x", "y"))
+  x = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=s)
+  f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+  results, lines = {}, []
+  plan = meshslice.tune(f, x, w, mesh=tpu, results=results, echo=lines.append,
+                        candidates={"default": {}, "ksplit=2": {"ksplit": 2}})
+  assert list(results) == ["xla", "default", "ksplit=2"]
+  best = min(results.values(), key=lambda c: c.step_s)
+  assert plan == best.plan and best.step_s <= results["xla"].step_s
+  assert results["xla"].plan.sites[0]["rewrite"] is False
+  assert results["ksplit=2"].plan.sites[0]["ksplit"] == 2
+  # the default plan leaves this site to XLA: the same program, not compiled twice
+  assert results["default"].result is results["xla"].result
+  assert lines[-1].startswith(f"tuned: {best.name} (")
+  # the plan applies as any saved plan does, and is deterministic
+  with jax.set_mesh(tpu):
+    site, = meshslice.transform(f, plan=plan).explain(x, w).sites
+  assert site.rewritten == (best.name == "ksplit=2")
+  assert meshslice.tune(f, x, w, mesh=tpu, candidates={"ksplit=2": {"ksplit": 2}}) == plan
