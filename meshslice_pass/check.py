@@ -14,11 +14,16 @@ it ran; otherwise the transformed program is judged against plain jit.
 The verdict per output leaf (README "Checking a rewrite on your own inputs"):
 
 - floating outputs (complex ones by the modulus of the difference, so both parts count)
-  agree when every element is within the dtype's tolerance of the judge; when plain jit
-  is itself beyond that tolerance of the reference (an ill-conditioned output, e.g.
-  Adam's first step turning near-zero gradients into +-lr, or a GSPMD bug), the
-  transformed program agrees when it is no farther from the reference than plain jit
-  (largest absolute error, plus one tolerance), or within tolerance of plain jit;
+  agree when every element is within the tolerance of the judge: the output dtype's,
+  or the rewritten matmuls' dtype's when larger (a rewrite rounds at their precision);
+- error model: an output can be ill-conditioned (Adam's first step turns near-zero
+  gradients into +-lr), and GSPMD itself is wrong on some layouts. Where plain jit is
+  beyond tolerance of the reference, the transformed program agrees when its largest
+  absolute error to the reference is at most twice plain jit's; where the reference
+  itself moves by more than the tolerance when its floating inputs move by one rounding
+  step of the rewritten matmuls' dtype (a second unsharded run), at most twice that
+  change (each bound plus one tolerance, `tol * max|reference|`); and where plain jit
+  is off, also when it is within tolerance of plain jit;
 - integer, bool and PRNG-key outputs (keys by `jax.random.key_data`) agree when equal to
   the reference, or equal to plain jit where plain jit differs from it;
 - with no site rewritten, the transformed program is plain jit's program: agreeing with
@@ -82,9 +87,11 @@ class LeafCheck:
   (the last two None when the reference did not run).
 
   `ok` is the verdict for this leaf; `judged` says which rule gave it: "reference"
-  (within tolerance of / equal to the unsharded reference), "plain's distance" (no
-  farther from the reference than plain jit, which is itself beyond tolerance of it),
-  "plain" (within tolerance of / equal to plain jit), or "" when it disagrees."""
+  (within tolerance of / equal to the unsharded reference), "plain's distance" (within
+  twice plain jit's distance to the reference, plain jit being itself beyond tolerance
+  of it), "sensitivity" (within twice the reference's own change when its inputs move
+  by one rounding step), "plain" (within tolerance of / equal to plain jit), or "" when
+  it disagrees."""
   path: str
   shape: tuple
   dtype: str
@@ -167,8 +174,11 @@ class CheckResult:
       by_plain = sum(l.ok and l.judged == "plain" for l in self.leaves)
       if not n_rw and by_plain:
         how.append("no site rewritten")
+      by_sensitivity = sum(l.ok and l.judged == "sensitivity" for l in self.leaves)
       if by_distance:
         how.append(f"{by_distance} within plain jit's own distance to it")
+      if by_sensitivity:
+        how.append(f"{by_sensitivity} within its own sensitivity")
       if by_plain:
         how.append(f"{by_plain} with plain jit")
     head = (f"meshslice.check: {'OK' if self.ok else 'DISAGREES'}: "
@@ -192,6 +202,12 @@ class CheckResult:
     plain_note = self._plain_note()
     if plain_note:
       lines.append("  " + plain_note)
+    touchy = [l.path or "<out>" for l in self.leaves if l.judged == "sensitivity"]
+    if touchy:
+      lines.append(
+          f"  note: {', '.join(touchy[:4])}{', ...' if len(touchy) > 4 else ''}: the "
+          "unsharded run itself moves by more than the tolerance when its inputs move by "
+          "one rounding step of the rewritten matmuls' dtype; judged against that")
     if self.culprit is not None:
       s = self.culprit
       lines.append(f"  responsible: {s.label}: {s.algorithm} {s.dataflow} S={s.ksplit} "

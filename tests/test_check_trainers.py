@@ -531,3 +531,51 @@ def test_check_rejects_an_nnx_jit_step_with_what_to_do():
   assert result.ok and result.reference == "ran", str(result)
   assert len(result.report.rewritten) == 2, str(result)
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_check_judges_an_ill_conditioned_output_by_the_references_sensitivity(monkeypatch):
+  """0.05 * sign(x @ w) on small integers: every program sums exactly (plain jit equals
+  the reference), but the exact zeros flip to +-0.05 when the inputs move by one
+  rounding step. A rewrite's output off by such a flip agrees ('sensitivity'); one off
+  by ten times that does not."""
+  m = mesh((2, 4))
+  s = NamedSharding(m, P("x", "y"))
+  k1, k2 = jax.random.split(jax.random.key(7))
+  x = jax.device_put(jax.random.randint(k1, (16, 32), -1, 2).astype(jnp.float32), s)
+  w = jax.device_put(jax.random.randint(k2, (32, 32), -1, 2).astype(jnp.float32), s)
+
+  def make(xs):
+    return lambda w, x: 0.05 * jnp.sign(_constrain(x @ w, xs))
+
+  step = jax.jit(make(s), in_shardings=(s, s))
+  exact = np.asarray(_unsharded(make(None), w, x))
+  zero = tuple(np.argwhere(exact == 0)[0])
+  assert np.array_equal(np.asarray(step(w, x)), exact)       # plain jit sums exactly too
+  real = check_module._host_outputs
+
+  def rewrite_off_by(delta):
+    calls = []
+
+    def outputs(tree):           # the transformed program's outputs (its run is first)
+      paths, outs = real(tree)
+      calls.append(None)
+      if len(calls) == 1:
+        value = outs[0].value.copy()
+        value[zero] += delta
+        outs[0] = check_module._Host(value, outs[0].dtype)
+      return paths, outs
+    monkeypatch.setattr(check_module, "_host_outputs", outputs)
+
+  rewrite_off_by(0.05)
+  result = meshslice.check(step, algorithm="collective")(w, x)
+  leaf = result.leaves[0]
+  assert result.ok, str(result)
+  assert leaf.plain_vs_reference.max_abs == 0 and not leaf.vs_reference.ok
+  assert leaf.judged == "sensitivity" and leaf.sensitivity == pytest.approx(0.05)
+  assert str(result).endswith(
+      "note: <out>: the unsharded run itself moves by more than the tolerance when its "
+      "inputs move by one rounding step of the rewritten matmuls' dtype; judged against "
+      "that")
+  rewrite_off_by(0.5)
+  bad = meshslice.check(step, algorithm="collective", bisect=False)(w, x)
+  assert not bad.ok and bad.leaves[0].judged == "", str(bad)
