@@ -234,7 +234,7 @@ _JAX_SCOPES = frozenset({"rematted_computation", "checkpoint", "remat"})
 _LAYER_DIRS = ("flax/nnx/nn/", "flax/linen/", "equinox/nn/", "haiku/_src/")
 
 
-def module_path(eqn, enclosing=()) -> str:
+def module_path(eqn, enclosing=(), call_chain=True) -> str:
   """The module path of `eqn`, e.g. 'TransformerLM/Decoder/MlpBlock_0/Dense_0'.
 
   It is the JAX name stack of the equation, prefixed by those of the equations whose
@@ -242,7 +242,8 @@ def module_path(eqn, enclosing=()) -> str:
   wrappers (jvp(...), transpose(...), vmap(...)) and JAX's own scopes (remat). Flax Linen
   modules, `jax.named_scope` and `jax.named_call` put names there. When the name stack
   holds no names (Flax NNX and Equinox record none), it is the chain of classes whose
-  `__call__` the matmul was called from, outermost first, e.g. 'Model/MlpBlock/Linear'.
+  `__call__` the matmul was called from, outermost first, e.g. 'Model/MlpBlock/Linear'
+  ('' with `call_chain=False`).
   """
   scopes = []
   for stack in enclosing:
@@ -255,7 +256,7 @@ def module_path(eqn, enclosing=()) -> str:
   scopes += _scope_names(eqn.source_info.name_stack)
   if scopes:
     return "/".join(scopes)
-  return _call_chain(eqn.source_info.traceback)
+  return _call_chain(eqn.source_info.traceback) if call_chain else ""
 
 
 def _scope_names(stack) -> list:

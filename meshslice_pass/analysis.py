@@ -361,6 +361,54 @@ def _resize(eqn, ins, outs, ctx, state, index):
   return [new_in] + ins[1:], [new_out]
 
 
+@rule("iota")
+def _iota(eqn, ins, outs, ctx, state, index):
+  """`jnp.arange` and positions: a value the program makes from nothing, the same on
+  every device, i.e. replicated, exactly as a closed-over numpy constant (constvars) is
+  (Explicit mode: the type's sharding wins in `put`)."""
+  return ins, [o if o is not None else S.replicated(len(_shape(v)))
+               for o, v in zip(outs, eqn.outvars)]
+
+
+@rule("split")
+def _split(eqn, ins, outs, ctx, state, index):
+  """`jnp.split` (rotary embeddings split the head dim in halves): every piece keeps the
+  operand's layout on the dims it keeps whole, the split dim is whole in the pieces;
+  the operand takes back what a piece knows, the split dim whole as well (as `slice`)."""
+  src = _shape(eqn.invars[0])
+  new_outs = [o if o is not None or ins[0] is None else _same_size_dims(ins[0], src, _shape(v))
+              for o, v in zip(outs, eqn.outvars)]
+  new_in = ins[0]
+  if new_in is None:
+    new_in = S.merge([_same_size_dims(o, _shape(v), src) for o, v in zip(outs, eqn.outvars)
+                      if o is not None])
+  return [new_in], new_outs
+
+
+@rule("stack")
+def _stack_rule(eqn, ins, outs, ctx, state, index):
+  """`jnp.stack`: the new dim is whole, the others are laid out like the operands (which
+  share one layout, as operands of an elementwise op do)."""
+  axis = eqn.params["axis"]
+  merged = S.merge(ins + [None if outs[0] is None else outs[0][:axis] + outs[0][axis + 1:]])
+  if merged is None:
+    return ins, outs
+  new_out = outs[0] if outs[0] is not None else merged[:axis] + ((),) + merged[axis:]
+  return [s if s is not None else merged for s in ins], [new_out]
+
+
+@rule("unstack")
+def _unstack_rule(eqn, ins, outs, ctx, state, index):
+  """The transpose of `stack`: every piece is the operand without the unstacked dim."""
+  axis = eqn.params["axis"]
+  known = ins[0] if ins[0] is not None else S.merge(
+      [o[:axis] + ((),) + o[axis:] for o in outs if o is not None])
+  if known is None:
+    return ins, outs
+  piece = known[:axis] + known[axis + 1:]
+  return [known], [o if o is not None else piece for o in outs]
+
+
 def _without_repeated_axes(entries, order):
   """Drop a mesh axis from every entry after the first that uses it (visited in `order`):
   one axis splits one dim."""
@@ -629,3 +677,45 @@ def sub_jaxprs(eqn):
   if name == "cond":
     return [(("branches", b), br.jaxpr) for b, br in enumerate(eqn.params["branches"])]
   return []
+
+
+# ---------------------------------------------------------------- why a layout is unknown
+
+def where_layout_lost(jaxpr, analysis: JaxprAnalysis, var, source_of=None) -> str:
+  """Why `var` (an operand of a matmul in `jaxpr`) has no layout, as a hint the user can
+  act on: the equation where the layouts known upstream stop (its primitive, its source
+  line, and that a `with_sharding_constraint` on its result fixes it), or the program
+  input that no sharding reaches. '' when nothing better can be said.
+
+  `source_of(eqn)` gives an equation's 'file:line' (planning passes its own)."""
+  if analysis is None:
+    return ""
+  producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+  seen, frontier, reached = set(), [var], []
+  while frontier:
+    v = frontier.pop(0)                    # breadth first: the nearest cause
+    if v in seen or isinstance(v, Literal):
+      continue
+    seen.add(v)
+    if v in inputs:
+      reached.append(inputs[v])
+      continue
+    eqn = producers.get(v)
+    if eqn is None:
+      continue
+    known = [u for u in eqn.invars if not isinstance(u, Literal)
+             and analysis.specs.get(u) is not None and _shape(u)]
+    if known:
+      where = f" ({source_of(eqn)})" if source_of is not None and source_of(eqn) else ""
+      shape = "x".join(map(str, _shape(v))) or "scalar"
+      return (f"the layout is lost at `{eqn.primitive.name}`{where}, whose inputs have "
+              f"layouts but no layout rule carries them to its [{shape}] result; add "
+              "jax.lax.with_sharding_constraint on that result")
+    # unknown all the way up this equation: follow its array operands
+    frontier.extend(u for u in eqn.invars if not isinstance(u, Literal) and _shape(u))
+  if reached:
+    which = ", ".join(map(str, sorted(reached)[:4])) + (", ..." if len(reached) > 4 else "")
+    return (f"it comes from input{'s' if len(reached) > 1 else ''} {which} of this "
+            "(sub)program, which no in_shardings, committed array or constraint reaches")
+  return ""

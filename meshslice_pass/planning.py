@@ -92,6 +92,8 @@ class Context:
   # Decisions by everything a decision depends on: the layers of an unrolled model repeat
   # the same sites, and planning is pure, so each distinct site is planned once.
   decided: dict = dataclasses.field(default_factory=dict, compare=False)
+  # the parameters the program's values carry (`param_names.ParamNames`), or None
+  param_names: object = dataclasses.field(default=None, compare=False)
 
 
 def _devices(ctx):
@@ -121,14 +123,32 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
       transposed_by = _swapping_transpose(eqn, consumers.get(eqn.outvars[0], []))
-      sites.append(_plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites),
-                              transposed_by))
+      param = ctx.param_names.of_site(prefix, jaxpr, eqn) if ctx.param_names else ""
+      site = _plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites),
+                        transposed_by, param)
+      sites.append(_with_layout_hint(site, jaxpr, eqn, analysis))
       continue
     for (param, branch), sub in A.sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
                         eqn.source_info.name_stack)], sites)
+
+
+def _with_layout_hint(site, jaxpr, eqn, analysis):
+  """A site left alone for an unknown operand layout, with where each unknown operand
+  lost it (`analysis.where_layout_lost`): what the user adds to fix it."""
+  if site.rewritten or not site.reason.startswith("operand sharding unknown"):
+    return site
+  hints = []
+  for role, v in zip(("lhs", "rhs"), eqn.invars):
+    if _spec_of(analysis, v) is None:
+      hint = A.where_layout_lost(jaxpr, analysis, v, source_location)
+      if hint:
+        hints.append(f"{role}: {hint}")
+  if not hints:
+    return site
+  return dataclasses.replace(site, reason=f"{site.reason}; {'; '.join(hints)}")
 
 
 def _spec_of(analysis, v):
@@ -157,21 +177,22 @@ def _swapped(dimension_numbers):
   return ((tuple(rc), tuple(lc)), (tuple(rb), tuple(lb)))
 
 
-def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None):
+def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None, param=""):
   """Plan one dot_general. When its result is only ever used transposed (lhs-free and
   rhs-free dims swapped), it is planned as the equal product with operands swapped, whose
   result already has the consumer's layout: a weight gradient becomes the RS matmul of
   docs/design.md rather than an LS matmul followed by a transpose."""
   if transposed_by is None:
-    return _plan_operands(eqn, analysis, ctx, path, context, index)
+    return _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
   # The swapped form is preferred whenever it can be rewritten, so a pin (from a saved
   # plan, which records the swapped form) is only checked against the other form when
   # the swapped one cannot serve the site.
   try:
-    swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by)
+    swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by,
+                             param=param)
   except ValueError as error:
     try:
-      site = _plan_operands(eqn, analysis, ctx, path, context, index)
+      site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
     except ValueError:
       raise error from None
     if site.rewritten:
@@ -179,11 +200,11 @@ def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None):
     raise
   if swapped.rewritten:
     return swapped
-  site = _plan_operands(eqn, analysis, ctx, path, context, index)
+  site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
   return site if site.rewritten else swapped
 
 
-def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
+def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""):
   lhs, rhs = eqn.invars
   out = eqn.outvars[0]
   dimension_numbers = eqn.params["dimension_numbers"]
@@ -195,7 +216,10 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None):
   stack = name_stack(eqn)
   base = dict(
       index=index, path=path, source=source_location(eqn),
-      module=module_path(eqn, [scope for *_, scope in context]),
+      # the name stack's modules (Linen, named scopes), else the parameter the matmul
+      # reads or updates (NNX, Equinox), else the chain of layer classes it ran in
+      module=(module_path(eqn, [scope for *_, scope in context], call_chain=False)
+              or param or module_path(eqn, [scope for *_, scope in context])),
       context=" > ".join(name for name, *_ in context) or "top",
       direction="backward" if "transpose" in stack or any(t for _, t, *_ in context)
       else "forward",

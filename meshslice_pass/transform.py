@@ -19,6 +19,7 @@ from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, ji
                              traced_consts)
 from .emit import Emitter
 from .nnx_jit import is_nnx_jit, transform_nnx_jit
+from .param_names import ParamNames
 from .options import Options, check_overrides
 from .report import Report
 
@@ -154,9 +155,14 @@ class Transformed:
                  for sh, aval in zip(params["out_shardings"], closed.out_avals)]
     analysis = A.analyze(closed, in_specs, out_specs, A.Context(axis_sizes=axis_sizes))
     clock.lap("analysis")
+    outputs = jax.tree.unflatten(traced.out_tree, range(len(closed.out_avals)))
+    names = ParamNames(closed.jaxpr,
+                       [None] * len(consts) + _key_paths(self._split(args, kwargs)[1]),
+                       _key_paths(outputs))
     sites = planning.plan_program(
         closed, analysis,
-        planning.Context(axis_sizes=axis_sizes, options=self._options, mesh=mesh))
+        planning.Context(axis_sizes=axis_sizes, options=self._options, mesh=mesh,
+                         param_names=names))
     clock.lap("planning")
     if self._options.plan is not None:
       self._options.plan.check_matches(sites, axis_sizes)
@@ -259,6 +265,12 @@ class _Clock:
     now = time.perf_counter()
     self.times[name] = self.times.get(name, 0.0) + now - self._last
     self._last = now
+
+
+def _key_paths(tree) -> list:
+  """The key path of every leaf of `tree`, as `jax.tree_util.keystr` writes it."""
+  return [jax.tree_util.keystr(path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _hashable(value):

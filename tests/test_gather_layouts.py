@@ -59,3 +59,36 @@ def test_matmuls_after_an_embedding_lookup_are_2d_sites(lookup):
   dtable = np.zeros_like(t)
   np.add.at(dtable, i.astype(int), dy @ m.T)
   np.testing.assert_allclose(grads[0], dtable, rtol=1e-4, atol=1e-5)
+
+
+def test_an_unknown_layout_says_where_it_was_lost_and_how_to_fix_it():
+  msh = mesh((2, 4))
+  s = NamedSharding(msh, P("x", "y"))
+  x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=s)
+  w = jax.ShapeDtypeStruct((128, 512), jnp.float32, sharding=s)
+
+  def f(x, w):
+    h = jax.lax.top_k(x, 128)[0]           # no layout rule for top_k
+    return jnp.sum(jnp.tanh(h @ w))
+
+  site = meshslice.explain(jax.jit(f))(x, w).sites[0]
+  assert site.reason.startswith("operand sharding unknown")
+  line = f.__code__.co_firstlineno + 1
+  assert site.reason.endswith(
+      f"; lhs: the layout is lost at `top_k` (tests/test_gather_layouts.py:{line}), whose "
+      "inputs have layouts but no layout rule carries them to its [64x128] result; add "
+      "jax.lax.with_sharding_constraint on that result") or site.reason.endswith(
+      f"; lhs: the layout is lost at `top_k` (test_gather_layouts.py:{line}), whose "
+      "inputs have layouts but no layout rule carries them to its [64x128] result; add "
+      "jax.lax.with_sharding_constraint on that result")
+  # with the constraint the hint asks for, the site is planned
+  def fixed(x, w):
+    h = jax.lax.with_sharding_constraint(jax.lax.top_k(x, 128)[0], s)
+    return jnp.sum(jnp.tanh(h @ w))
+  assert meshslice.explain(jax.jit(fixed))(x, w).sites[0].lhs_spec == "P('x', 'y')"
+  # an input no sharding reaches
+  bare = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  site = meshslice.explain(jax.jit(lambda a, b: a @ b))(bare, w).sites[0]
+  assert site.reason.endswith(
+      "; lhs: it comes from input 0 of this (sub)program, which no in_shardings, committed "
+      "array or constraint reaches")
