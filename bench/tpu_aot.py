@@ -19,6 +19,9 @@ its own process (libtpu reads its flags once per process):
                async collective flags (meshslice.backend_flags.tpu_overlap_flags: no
                all-gather continuation fusion on v4 / v5p / v6e, the MaxText group on
                v5e; --meshslice_flags to change) so its sliced collectives can overlap
+  meshslice_dense  the same with windowed einsum off too (dense_async's flags): the
+               sites it leaves to XLA run XLA's dense program, and are planned so
+               (optional: --variants=...,meshslice_dense)
 
 The headline ("vs best XLA") is the rewrite's simulated step against the best of the four
 XLA variants at the same mesh. Every table states each variant's flags and the libtpu
@@ -58,7 +61,8 @@ _CHIPS = flags.DEFINE_list("chips", ["64", "256", "1024"], "chip counts")
 _GENERATIONS = flags.DEFINE_list("generations", ["v4"], "TPU generations: v4, v5p, v5e, v6e")
 _VARIANTS = flags.DEFINE_list("variants", ["plain", "dense", "plain_async", "dense_async",
                                            "meshslice"],
-                              "plain, dense, plain_async, dense_async, meshslice")
+                              "plain, dense, plain_async, dense_async, meshslice, "
+                              "meshslice_dense")
 _MESHSLICE_FLAGS = flags.DEFINE_string(
     "meshslice_flags", "async", "libtpu flag presets of the meshslice variant and of the "
     "*_async XLA variants (meshslice.aot.preset_flags): async (the generation's), fusion "
@@ -77,9 +81,7 @@ def variant_flags(variant: str, generation: str, async_presets: str = "async") -
   """The libtpu flags of a variant (meshslice.aot.VARIANTS) on `generation`, its async
   part from `async_presets`."""
   from meshslice import aot
-  use_pass, presets = aot.VARIANTS[variant]
-  names = [n for p in presets for n in (async_presets.split(",") if p == "async" else [p])]
-  return aot.preset_flags(names, generation)
+  return aot.variant_flags(variant, generation, async_presets)
 
 
 def _worker(spec: dict) -> dict:
@@ -172,9 +174,10 @@ def headline(records) -> list:
     key = (r["model"], r.get("generation"), r["chips"], tuple(r["mesh"]))
     groups.setdefault(key, {})[r["variant"]] = r
   for rows in groups.values():
-    best = aot.versus_best_xla(rows)
-    if best is not None:
-      rows["meshslice"]["versus_best_xla"] = list(best)
+    for variant in (v for v in rows if aot.VARIANTS.get(v, (False,))[0]):
+      best = aot.versus_best_xla(rows, variant=variant)
+      if best is not None:
+        rows[variant]["versus_best_xla"] = list(best)
   return records
 
 

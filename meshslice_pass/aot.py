@@ -503,27 +503,34 @@ VARIANTS = {   # name: (meshslice.transform?, flag presets)
     "plain": (False, ("default",)), "dense": (False, ("dense",)),
     "plain_async": (False, ("async",)), "dense_async": (False, ("dense", "async")),
     "meshslice": (True, ("async",)),
+    # the rewrite with windowed einsum off too: the sites it leaves to XLA run XLA's
+    # dense program, and the planner prices them so (the rival with the same flags is
+    # dense_async)
+    "meshslice_dense": (True, ("dense", "async")),
 }
 XLA_VARIANTS = ("plain", "dense", "plain_async", "dense_async")
 
 
-def variant_flags(variant: str, generation: str | None) -> tuple:
-  """The libtpu flags `variant` (a `VARIANTS` name) compiles with on `generation`."""
+def variant_flags(variant: str, generation: str | None, async_presets: str = "async") -> tuple:
+  """The libtpu flags `variant` (a `VARIANTS` name) compiles with on `generation`, its
+  async part from `async_presets` (preset names, comma-separated)."""
   if variant not in VARIANTS:
     raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-  return preset_flags(VARIANTS[variant][1], generation)
+  names = [n for p in VARIANTS[variant][1]
+           for n in (async_presets.split(",") if p == "async" else [p])]
+  return preset_flags(names, generation)
 
 
-def versus_best_xla(rows: dict, key: str = "step_s"):
-  """(best XLA variant name, its `key`, meshslice's `key` / ... ratio: > 1 is meshslice
+def versus_best_xla(rows: dict, key: str = "step_s", variant: str = "meshslice"):
+  """(best XLA variant name, its `key`, its `key` / `variant`'s: > 1 is the rewrite
   faster) among the XLA variants present in `rows` ({variant: row dict}); None when
-  meshslice or every XLA variant is missing (or failed)."""
+  `variant` or every XLA variant is missing (or failed)."""
   ok = lambda r: isinstance(r, dict) and isinstance(r.get(key), (int, float)) and r[key] > 0
   xla = {n: r[key] for n, r in rows.items() if n in XLA_VARIANTS and ok(r)}
-  if not xla or not ok(rows.get("meshslice")):
+  if not xla or not ok(rows.get(variant)):
     return None
   best = min(xla, key=lambda n: (xla[n], n))
-  return best, xla[best], xla[best] / rows["meshslice"][key]
+  return best, xla[best], xla[best] / rows[variant][key]
 
 
 def format_table(results: dict) -> str:
@@ -546,11 +553,12 @@ def format_table(results: dict) -> str:
                      for i, (c, w) in enumerate(zip(l, widths))) for l in lines]
   text.append("libtpu flags (LIBTPU_INIT_ARGS):")
   text += [f"  {n}: {rows[n].get('flags') or '(libtpu defaults)'}" for n in names]
-  best = versus_best_xla(rows)
-  if best is not None:
-    name, seconds, ratio = best
-    text.append(f"meshslice vs the best XLA variant ({name}, {seconds * 1e3:.3f} ms): "
-                f"{ratio:.3f}x ({'faster' if ratio > 1 else 'not faster'})")
+  for variant in (n for n in names if VARIANTS.get(n, (False,))[0]):
+    best = versus_best_xla(rows, variant=variant)
+    if best is not None:
+      name, seconds, ratio = best
+      text.append(f"{variant} vs the best XLA variant ({name}, {seconds * 1e3:.3f} ms): "
+                  f"{ratio:.3f}x ({'faster' if ratio > 1 else 'not faster'})")
   return "\n".join(text)
 
 
@@ -559,8 +567,7 @@ def _variant_worker(args, gen, shape, options) -> int:
   and write its row as JSON to args.json."""
   import json
   use_pass, _ = VARIANTS[args.variant]
-  set_flags(*(preset_flags(args.flags, gen.name) if use_pass
-              else variant_flags(args.variant, gen.name)))
+  set_flags(*variant_flags(args.variant, gen.name, args.flags if use_pass else "async"))
   import jax
   jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
   results = compare(args.model, args.topology, shape, layers=args.layers, batch=args.batch,
@@ -632,7 +639,8 @@ def main(argv=None) -> int:
   import json
   import subprocess
   import tempfile
-  flags_of = {v: meshslice_flags if VARIANTS[v][0] else variant_flags(v, gen.name)
+  del meshslice_flags
+  flags_of = {v: variant_flags(v, gen.name, args.flags if VARIANTS[v][0] else "async")
               for v in variants}
   print(f"{args.model} step ({args.layers} layer(s), fwd+bwd) on {args.topology} as a "
         f"{args.mesh} mesh; each variant compiled in its own process with its libtpu "
@@ -654,7 +662,7 @@ def main(argv=None) -> int:
       proc = subprocess.run([sys.executable, "-m", "meshslice", "aot", *passthrough,
                              f"--variant={v}", f"--json={out}"], env=env, text=True,
                             capture_output=True)
-      if v == "meshslice" or proc.returncode:
+      if VARIANTS[v][0] or proc.returncode:
         print(proc.stdout, end="", flush=True)
       if proc.returncode or not os.path.exists(out):
         print(f"error: variant {v} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",

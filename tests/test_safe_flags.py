@@ -115,8 +115,14 @@ def test_cli_table_states_flags_and_compares_with_the_best_of_four():
   slower = dict(rows, meshslice=_row(2.1, "A"))
   assert aot.format_table(slower).endswith("0.952x (not faster)")
   assert aot.versus_best_xla({"meshslice": _row(1.0)}) is None
-  # the CLI compiles all five by default, each with its own flags
-  assert list(aot.VARIANTS) == ["plain", "dense", "plain_async", "dense_async", "meshslice"]
+  # the CLI compiles all by default, each with its own flags; the rewrite also with
+  # dense_async's flags
+  assert list(aot.VARIANTS) == ["plain", "dense", "plain_async", "dense_async", "meshslice",
+                                "meshslice_dense"]
+  assert aot.variant_flags("meshslice_dense", "v4") == aot.variant_flags("dense_async", "v4")
+  both = aot.format_table(dict(rows, meshslice_dense=_row(1.9, "D A")))
+  assert both.splitlines()[-1] == ("meshslice_dense vs the best XLA variant (dense_async, "
+                                   "2.000 ms): 1.053x (faster)")
 
 
 def test_bench_tpu_aot_flags_and_headline():
