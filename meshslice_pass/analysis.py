@@ -534,6 +534,29 @@ def _fill_operand(dimension_numbers, known_spec, out_spec, unknown_ndim, unknown
   return tuple(entries)
 
 
+def _batch_conflict_output(dimension_numbers, lhs_shape, rhs_shape, lhs, rhs):
+  """The result layout of a dot_general whose batch dims are split differently on its
+  operands and whose contracting dims are whole (penzai's named-axis `x * scale`, a
+  batch-only dot_general of the activations [b,s,d] with a norm scale [d]): as Shardy's
+  propagation resolves the conflict, the larger operand's layout wins; the other
+  operand's free dims keep the axes still unused. None when the batch dims agree or a
+  contracting dim is split (a partial sum: the consumers decide)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  if all(lhs[a] == rhs[b] for a, b in zip(lb, rb)):
+    return None
+  if any(lhs[a] or rhs[b] for a, b in zip(lc, rc)):
+    return None
+  lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+  lhs_wins = math.prod(lhs_shape) >= math.prod(rhs_shape)
+  batch = [lhs[a] if lhs_wins else rhs[b] for a, b in zip(lb, rb)]
+  entries = batch + [lhs[d] for d in lf] + [rhs[d] for d in rf]
+  n, nl = len(lb), len(lf)
+  winner = list(range(n + nl)) if lhs_wins else list(range(n)) + list(range(n + nl, len(entries)))
+  order = winner + [d for d in range(len(entries)) if d not in winner]
+  return _without_repeated_axes(entries, order)
+
+
 @rule("dot_general")
 def _dot_general(eqn, ins, outs, ctx, state, index):
   dn = eqn.params["dimension_numbers"]
@@ -548,6 +571,10 @@ def _dot_general(eqn, ins, outs, ctx, state, index):
   natural = matching.natural_output_spec(dn, ins[0], ins[1])
   if natural is not None:
     return ins, [natural]
+  batch_conflict = _batch_conflict_output(dn, _shape(eqn.invars[0]), _shape(eqn.invars[1]),
+                                          ins[0], ins[1])
+  if batch_conflict is not None:
+    return ins, [batch_conflict]
   found = _classify(ctx, dn, _shape(eqn.invars[0]), _shape(eqn.invars[1]), ins[0], ins[1])
   # OS has one output layout; LS vs RS waits for a consumer to say which it wants
   # (the backward sweep), so only fill it in when the choice is forced.
