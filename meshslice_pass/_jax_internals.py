@@ -19,22 +19,30 @@ import os
 import sys
 import sysconfig
 
-from jax._src import api_util as _api_util
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src import linear_util as _lu
-from jax._src import source_info_util
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.named_sharding import UnspecifiedValue as _UnspecifiedValue
+import jax as _jax
 
-# compat shim (jax >= 0.12): ClosedJaxpr was merged into Jaxpr, which now carries its
-# own consts; `Jaxpr(jaxpr, consts)` is the legacy ClosedJaxpr constructor and
-# `.jaxpr` / `.consts` still read as before. jax <= 0.11 keeps the two classes.
-ClosedJaxpr = getattr(_core, "ClosedJaxpr", None) or _core.Jaxpr
-Jaxpr = _core.Jaxpr
-Literal = _core.Literal
-Var = _core.Var
-DropVar = _core.DropVar
+try:
+  from jax._src import api_util as _api_util
+  from jax._src import config as _config
+  from jax._src import core as _core
+  from jax._src import linear_util as _lu
+  from jax._src import source_info_util
+  from jax._src.interpreters import partial_eval as _pe
+  from jax._src.named_sharding import UnspecifiedValue as _UnspecifiedValue
+
+  # compat shim (jax >= 0.12): ClosedJaxpr was merged into Jaxpr, which now carries its
+  # own consts; `Jaxpr(jaxpr, consts)` is the legacy ClosedJaxpr constructor and
+  # `.jaxpr` / `.consts` still read as before. jax <= 0.11 keeps the two classes.
+  ClosedJaxpr = getattr(_core, "ClosedJaxpr", None) or _core.Jaxpr
+  Jaxpr = _core.Jaxpr
+  Literal = _core.Literal
+  Var = _core.Var
+  DropVar = _core.DropVar
+except (ImportError, AttributeError) as _e:    # a jax outside the supported range
+  raise ImportError(
+      f"meshslice supports jax 0.10.2 through 0.12.x; this jax ({_jax.__version__}) lacks "
+      f"an internal API it needs ({_e}). Install a supported one: "
+      "pip install 'jax>=0.10.2,<0.13'") from _e
 
 
 def retrace(fun, in_avals, debug_info):
