@@ -183,9 +183,10 @@ def main(argv=None) -> int:
 
     # transform: a drop-in replacement; the cost model picks each site's plan. On these
     # small sizes it mostly keeps the plain collective; force slicing with ksplit=2 to
-    # exercise the pipelined code. NNX module paths are the chain of modules called, so
-    # overrides can select e.g. every Linear of the MLPs: "*/Mlp/Linear".
-    options = dict(ksplit=2, overrides={"*/Mlp/Linear": {"ksplit": 1}})
+    # exercise the pipelined code. NNX sites are named by the parameter they read or
+    # make (its attribute path in the model state), so overrides can select e.g. every
+    # projection of the MLPs: "*/mlp/*", or one: "blocks/mlp/wo".
+    options = dict(ksplit=2, overrides={"*/mlp/*": {"ksplit": 1}})
     fast_step = meshslice.transform(step, **options)
     new_params, new_opt, loss = fast_step(params, opt_state, x, y)
     print(f"transformed step: loss {float(loss):.5f}")

@@ -20,6 +20,8 @@ Example:
   'embed'
   >>> module_of_key_path("[0]['layers']['mlp']['wo']")
   'layers/mlp/wo'
+  >>> module_of_key_path("[0]['attn']['value']['kernel'].value")
+  'attn/value'
 """
 from __future__ import annotations
 
@@ -38,11 +40,13 @@ _PASS_THROUGH = frozenset({
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "add_any", "select_n", "max",
                           "min", "sqrt", "rsqrt", "integer_pow", "square"})
 _CALLS = frozenset({"jit", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"})
-# key-path parts that are containers, not names: variable collections, optimizer states,
-# and the attribute a framework keeps the array in
-_NOT_NAMES = frozenset({"params", "param", "value", "raw_value", "_value", "state",
-                        "opt_state", "variables", "trainable_variables", "mu", "nu",
-                        "trace", "inner_state", "model", "optimizer"})
+# key-path parts that are containers, not names: variable collections and optimizer
+# states (dict keys), and the attribute a framework keeps the array in (`.value`; a dict
+# key 'value' is a name: an attention's value projection)
+_NOT_NAMES = frozenset({"params", "param", "state", "opt_state", "variables",
+                        "trainable_variables", "mu", "nu", "trace", "inner_state"})
+_NOT_ATTRIBUTES = frozenset({"value", "raw_value", "_value", "mu", "nu", "trace",
+                             "inner_state"})
 
 
 # the names layers give their arrays: dropped, so `up/kernel` is the module `up`
@@ -55,8 +59,8 @@ def module_of_key_path(key_path: str) -> str:
   positions, collections ('params'), optimizer states, value attributes, and a layer's
   name for its array ('kernel'); '' for a leaf with no name (a data input)."""
   parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)", key_path)
-  names = [name or attr for name, index, attr in parts
-           if (name or attr) and (name or attr) not in _NOT_NAMES]
+  names = [(name or attr) for name, _, attr in parts
+           if (name and name not in _NOT_NAMES) or (attr and attr not in _NOT_ATTRIBUTES)]
   if len(names) > 1 and names[-1] in _LEAF_NAMES:
     names = names[:-1]
   return "/".join(names)
