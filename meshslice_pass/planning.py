@@ -302,7 +302,8 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
     if not site.rewritten and pinned in (None, site.dataflow):
       return site     # no plan fits HBM, in any dataflow
     raise ValueError(
-        f"dataflow={pinned!r} cannot serve site #{index} ({base['source']}): its operand "
+        f"{_pinned_by(request, 'dataflow')}dataflow={pinned!r} cannot serve site #{index} "
+        f"({base['source']}): its operand "
         f"layouts allow {', '.join(sorted({m.dataflow for m in found.matches}))}, and no reshard "
         f"of the operands gives {pinned!r} with the same output layout")
   # a relayout must win clearly: the model does not see every cost of a reshard
@@ -427,6 +428,12 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
                              predicted_seconds=seconds, note=_join(site.note, note))
 
 
+def _pinned_by(request, name) -> str:
+  """'overrides[key]: ' (or 'plan site #k: ') when `name` was pinned there, for errors."""
+  where = request.pinned_by(name)
+  return f"{where}: " if where else ""
+
+
 def _join(*notes):
   return "; ".join(n for n in notes if n)
 
@@ -440,7 +447,8 @@ def _choose_algorithm(geometry, request, site):
   if not why_not:
     return algorithm, ""
   if request.strict:
-    raise ValueError(f"algorithm={algorithm!r} cannot serve {site.label}: {why_not}")
+    raise ValueError(f"{_pinned_by(request, 'algorithm')}algorithm={algorithm!r} cannot "
+                     f"serve {site.label}: {why_not}")
   return None, f"{why_not}; chose among {', '.join(costing.AUTO_ALGORITHMS)}"
 
 
@@ -463,7 +471,8 @@ def _requested_ksplit(algorithm, geometry: GemmGeometry, request, site: Site):
            if geometry.global_extent % k == 0 and not _fits(algorithm, geometry, k)]
   if request.strict:
     raise ValueError(
-        f"ksplit={wanted} does not fit {site.label}, a {site.dataflow} matmul over "
+        f"{_pinned_by(request, 'ksplit')}ksplit={wanted} does not fit {site.label}, a "
+        f"{site.dataflow} matmul over "
         f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "
         f"divisible by ksplit * lcm(R, C) = {wanted * geometry.lcm}. Valid ksplit "
         f"for this site: {', '.join(map(str, valid))}")

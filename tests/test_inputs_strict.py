@@ -246,10 +246,6 @@ def _program():
   return jax.jit(lambda x, w: x @ w), x, w
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "planning.py (not ours) raises the strict 'ksplit=... does not fit' / 'algorithm=... "
-    "cannot serve' errors without the override key; it can prefix "
-    "request.pinned_by('ksplit') / request.pinned_by('algorithm')"))
 @pytest.mark.parametrize("pin,start", [
     ({"ksplit": 3}, "overrides[0]: ksplit=3 does not fit site #0 ("),
     ({"algorithm": "cannon"}, "overrides[0]: algorithm='cannon' cannot serve site #0 ("),
