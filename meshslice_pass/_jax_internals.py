@@ -13,12 +13,6 @@ them and that no other module imports `jax._src`.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-import sys
-import sysconfig
-
 import jax as _jax
 
 try:
@@ -119,177 +113,26 @@ def rebind_context(eqn):
   return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
 
 
-def source_location(eqn) -> str:
-  """'file:line' of the innermost frame of the user's code that produced `eqn`, with the
-  file made portable by `portable_path` ('' when unknown).
-
-  Frames of JAX, the libraries models are written with (flax, optax, equinox, haiku, ...),
-  numpy, the Python stdlib and meshslice itself are skipped, as JAX's own traceback
-  filtering skips its internals; when only such frames exist, JAX's own guess is used.
-  """
-  frame = user_frame(eqn.source_info.traceback)
-  if frame is None:
-    return ""
-  return f"{portable_path(frame.file_name)}:{frame.start_line}"
+def raw_frames(traceback):
+  """(code objects, last instructions) of a JAX traceback, innermost first."""
+  return traceback.raw_frames()
 
 
-def user_frame(traceback):
-  """The innermost frame of `traceback` outside the libraries of `LIBRARIES` and the
-  stdlib; JAX's `source_info_util.user_frame` when there is none; None without one."""
-  if traceback is None:
-    return None
-  code, lasti = traceback.raw_frames()
-  for c, i in zip(code, lasti):
-    if not _is_library_file(c.co_filename):
-      return source_info_util.raw_frame_to_frame(c, i)
+def frame_of(code, lasti):
+  """A JAX source frame (file_name, start_line, ...) for one raw frame."""
+  return source_info_util.raw_frame_to_frame(code, lasti)
+
+
+def jax_user_frame(traceback):
+  """JAX's own guess at the user's frame of a traceback (its filtering of internals)."""
   return source_info_util.user_frame(traceback)
 
 
-# Top-level packages whose frames are never "the user's code". meshslice's own package dirs
-# are added from the installed package (its import name maps to several folders).
-LIBRARIES = ("jax", "jaxlib", "flax", "optax", "equinox", "haiku", "orbax", "chex", "numpy",
-             "scipy", "ml_dtypes", "opt_einsum", "meshslice")
-_PACKAGE_DIRS = ("site-packages", "dist-packages")
-
-
-@functools.cache
-def _library_dirs() -> tuple:
-  """(library folder, the folder its portable paths are relative to), longest first."""
-  found = {}
-  for name in LIBRARIES + ("meshslice.rewrites", "meshslice.costmodel"):
-    try:
-      spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-      continue
-    if spec is None:
-      continue
-    for folder in list(spec.submodule_search_locations or ()):
-      folder = os.path.abspath(folder)
-      found[folder + os.sep] = os.path.dirname(folder)
-  return tuple(sorted(found.items(), key=lambda kv: -len(kv[0])))
-
-
-@functools.cache
-def _stdlib_dirs() -> tuple:
-  paths = sysconfig.get_paths()
-  dirs = {paths.get("stdlib"), paths.get("platstdlib"), os.path.dirname(os.__file__)}
-  return tuple(os.path.abspath(d) + os.sep for d in dirs if d)
-
-
-def _after_package_dir(filename: str):
-  """The part of `filename` after its last site-packages/dist-packages folder, or None."""
-  parts = filename.replace(os.sep, "/").split("/")
-  for k in range(len(parts) - 2, -1, -1):
-    if parts[k] in _PACKAGE_DIRS:
-      return "/".join(parts[k + 1:])
-  return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_library_file(filename: str) -> bool:
-  if filename.startswith("<"):             # <frozen runpy>, <string>, <stdin>, ...
-    return filename.startswith("<frozen ")
-  filename = os.path.abspath(filename)
-  if any(filename.startswith(d) for d, _ in _library_dirs()):
-    return True
-  installed = _after_package_dir(filename)
-  if installed is not None:
-    return installed.split("/", 1)[0] in LIBRARIES
-  return any(filename.startswith(d) for d in _stdlib_dirs())
-
-
-def portable_path(filename: str) -> str:
-  """`filename` as the same text on every host that runs the same project:
-
-  - a file of a library of `LIBRARIES`, or any installed package (site-packages or
-    dist-packages): `package/relative/path.py` (the same in every virtualenv);
-  - a file under the current working directory (the project, when run from its root):
-    relative to it;
-  - else a file under an entry of `sys.path` (a script's folder, a PYTHONPATH root):
-    relative to the longest such entry;
-  - anything else: unchanged. Separators are always '/'.
-  """
-  if not filename or filename.startswith("<"):
-    return filename
-  return _portable(os.path.abspath(filename), os.getcwd(), tuple(sys.path))
-
-
-@functools.lru_cache(maxsize=4096)
-def _portable(filename: str, cwd: str, path: tuple) -> str:
-  for folder, root in _library_dirs():
-    if filename.startswith(folder):
-      return os.path.relpath(filename, root).replace(os.sep, "/")
-  installed = _after_package_dir(filename)
-  if installed is not None:
-    return installed
-  inside = lambda root: filename.startswith(root.rstrip(os.sep) + os.sep)
-  if inside(cwd):
-    return os.path.relpath(filename, cwd).replace(os.sep, "/")
-  roots = [r for r in (os.path.abspath(p or cwd) for p in path if isinstance(p, str))
-           if inside(r)]
-  if roots:
-    return os.path.relpath(filename, max(roots, key=len)).replace(os.sep, "/")
-  return filename.replace(os.sep, "/")
-
-
-def name_stack(eqn) -> str:
-  return str(eqn.source_info.name_stack)
-
-
-# Scopes JAX itself pushes while tracing (not the user's modules).
-_JAX_SCOPES = frozenset({"rematted_computation", "checkpoint", "remat"})
-# Library folders whose `Class.__call__` frames are model layers (nnx.Linear, eqx.nn.Linear).
-_LAYER_DIRS = ("flax/nnx/nn/", "flax/linen/", "equinox/nn/", "haiku/_src/")
-
-
-def module_path(eqn, enclosing=(), call_chain=True) -> str:
-  """The module path of `eqn`, e.g. 'TransformerLM/Decoder/MlpBlock_0/Dense_0'.
-
-  It is the JAX name stack of the equation, prefixed by those of the equations whose
-  sub-jaxprs hold it (`enclosing`: NameStacks, outermost first), without transformation
-  wrappers (jvp(...), transpose(...), vmap(...)) and JAX's own scopes (remat). Flax Linen
-  modules, `jax.named_scope` and `jax.named_call` put names there. When the name stack
-  holds no names (Flax NNX and Equinox record none), it is the chain of classes whose
-  `__call__` the matmul was called from, outermost first, e.g. 'Model/MlpBlock/Linear'
-  ('' with `call_chain=False`).
-  """
-  scopes = []
-  for stack in enclosing:
-    names = _scope_names(stack)
-    half = len(names) // 2
-    if half and names[:half] == names[half:]:
-      # the transpose of a remat repeats its enclosing stack: 'transpose(jvp(M))/jvp(M)'
-      names = names[:half]
-    scopes += names
-  scopes += _scope_names(eqn.source_info.name_stack)
-  if scopes:
-    return "/".join(scopes)
-  return _call_chain(eqn.source_info.traceback) if call_chain else ""
-
-
-def _scope_names(stack) -> list:
+def scope_names(stack) -> list:
+  """The names of the module scopes (`jax.named_scope`, Flax Linen modules) on a JAX
+  name stack, transformation wrappers (jvp, transpose) left out."""
   return [e.name for e in getattr(stack, "stack", ())
-          if isinstance(e, source_info_util.Scope) and e.name not in _JAX_SCOPES]
-
-
-def _call_chain(traceback) -> str:
-  if traceback is None:
-    return ""
-  code, _ = traceback.raw_frames()
-  names = []
-  for c in reversed(code):
-    owner, _, method = c.co_qualname.rpartition(".")
-    if method == "__call__" and owner and "<" not in owner and _is_layer_file(c.co_filename):
-      names.append(owner)
-  return "/".join(names)
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_layer_file(filename: str) -> bool:
-  if not _is_library_file(filename):
-    return True
-  portable = portable_path(filename)
-  return portable.startswith(_LAYER_DIRS)
+          if isinstance(e, source_info_util.Scope)]
 
 
 def trace_state_clean() -> bool:

@@ -53,6 +53,10 @@ class Options:
       (the tpu-* profiles, calibrated profile files), "none" otherwise (cpu, h100). The
       collective rewrite compiles to XLA's dense program, so it is kept on a tie.
       Sites with a pinned algorithm, ksplit or dataflow are not compared.
+    source_packages: installed packages that hold *your* model code (e.g.
+      ("keras_hub",) or ("maxtext",)): their frames count as yours in the report's
+      `source` column, which otherwise skips every installed package (frameworks) as it
+      skips JAX's internals.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None
@@ -72,6 +76,7 @@ class Options:
   relayout: bool = True
   xla_baseline: str = "auto"
   compiler_terms: object = None
+  source_packages: tuple = ()
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -111,6 +116,14 @@ class Options:
       raise ValueError(f"profile: {e}") from None
     if kwargs.get("xla_baseline", "auto") == "auto":
       kwargs["xla_baseline"] = "windowed" if kwargs["compiler_terms"] else "none"
+    packages = kwargs.get("source_packages", ())
+    if isinstance(packages, str):
+      packages = (packages,)
+    if not isinstance(packages, (tuple, list)) or not all(
+        isinstance(p, str) and p.isidentifier() for p in packages):
+      raise ValueError("source_packages must be a tuple of top-level package names, e.g. "
+                       f"('maxtext',), got {packages!r}")
+    kwargs = dict(kwargs, source_packages=tuple(packages))
     opts = cls(**kwargs)
     opts.validate()
     return opts
@@ -303,7 +316,7 @@ def _same_location(source: str, wanted: str) -> bool:
   if not source:
     return False
   if os.path.isabs(wanted.rsplit(":", 1)[0]):
-    from ._jax_internals import portable_path
+    from .provenance import portable_path
     file, line = wanted.rsplit(":", 1)
     wanted = f"{portable_path(file)}:{line}"
   return source == wanted or source.endswith("/" + wanted)

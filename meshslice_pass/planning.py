@@ -33,7 +33,7 @@ from . import backend_flags
 from . import costing
 from . import matching
 from . import specs as S
-from ._jax_internals import module_path, name_stack, source_location
+from .provenance import module_path, name_stack, source_location
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,7 +43,7 @@ class Site:
   `path` locates the equation: indices into nested jaxprs, e.g.
   ((3, "jaxpr", 0), (12, "jaxpr", 0), 5) is eqn 5 of the body of eqn 12 of eqn 3.
   `source` is the innermost 'file:line' of the user's code (library frames skipped, the
-  file relative to the project: see `_jax_internals.portable_path`); `module` the module
+  file relative to the project: see `provenance.portable_path`); `module` the module
   path from the JAX name stack, e.g. 'Model/MlpBlock_0/Dense_1' (`module_path`).
   """
   index: int
@@ -215,7 +215,8 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
   lhs_spec, rhs_spec, out_demand = (_spec_of(analysis, v) for v in (lhs, rhs, out))
   stack = name_stack(eqn)
   base = dict(
-      index=index, path=path, source=source_location(eqn),
+      index=index, path=path,
+      source=source_location(eqn, getattr(ctx.options, "source_packages", ())),
       # the name stack's modules (Linen, named scopes), else the parameter the matmul
       # reads or updates (NNX, Equinox), else the chain of layer classes it ran in
       module=(module_path(eqn, [scope for *_, scope in context], call_chain=False)

@@ -15,14 +15,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import _jax_internals as internals
+from meshslice import provenance
 
 from helpers import assert_trees_close, mesh
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 
-HERE = internals.portable_path(__file__)     # relative to the working directory
+HERE = provenance.portable_path(__file__)     # relative to the working directory
 
 
 def _lines(cls, needle):
@@ -227,15 +227,18 @@ def test_nnx_explicit_report_and_module_override():
 
 def test_library_frames_are_never_user_code():
   import flax.linen.linear
-  assert internals._is_library_file(flax.linen.linear.__file__)
+  assert provenance.is_library_file(flax.linen.linear.__file__)
   # in a virtualenv (site-packages outside the stdlib folder), wherever it lives
   for root in ("/home/me/venv/lib/python3.12/site-packages", "/opt/conda/lib/python3.11/"
                "dist-packages"):
-    assert internals._is_library_file(f"{root}/flax/linen/linear.py")
-    assert internals._is_library_file(f"{root}/optax/_src/alias.py")
-    assert not internals._is_library_file(f"{root}/mymodels/layers.py")
-    assert internals.portable_path(f"{root}/flax/linen/linear.py") == "flax/linen/linear.py"
-  assert internals.portable_path(flax.linen.linear.__file__) == "flax/linen/linear.py"
+    assert provenance.is_library_file(f"{root}/flax/linen/linear.py")
+    assert provenance.is_library_file(f"{root}/optax/_src/alias.py")
+    # any installed package is a framework by default; the user may name their own
+    assert provenance.is_library_file(f"{root}/mymodels/layers.py")
+    assert not provenance.is_library_file(f"{root}/mymodels/layers.py",
+                                          source_packages=("mymodels",))
+    assert provenance.portable_path(f"{root}/flax/linen/linear.py") == "flax/linen/linear.py"
+  assert provenance.portable_path(flax.linen.linear.__file__) == "flax/linen/linear.py"
   assert HERE in ("tests/test_user_handles.py", "test_user_handles.py")
 
 
@@ -374,3 +377,31 @@ def test_headline_counts_sliced_collective_and_left_alone_with_reasons():
 def test_reason_classes(reason, label):
   from meshslice.report import reason_class
   assert reason_class(reason) == label
+
+
+def test_installed_frameworks_are_skipped_unless_named_as_the_users_own(tmp_path, monkeypatch):
+  root = tmp_path / "site-packages" / "mymodel_pkg"
+  root.mkdir(parents=True)
+  (root / "__init__.py").write_text("")
+  (root / "layers.py").write_text(
+      "import jax.numpy as jnp\n\n\ndef dense(x, w):\n  return jnp.tanh(x @ w)\n")
+  monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+  import importlib
+  layers = importlib.import_module("mymodel_pkg.layers")
+  msh = mesh((2, 4))
+  s = NamedSharding(msh, P("x", "y"))
+  x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=s)
+  w = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=s)
+
+  def step(x, w):
+    return layers.dense(x, w)                   # the user's line
+
+  line = step.__code__.co_firstlineno + 1
+  framework = meshslice.explain(step)(x, w).sites[0].source
+  assert framework == f"{HERE}:{line}"
+  own = meshslice.explain(step, source_packages=("mymodel_pkg",))(x, w).sites[0].source
+  assert own == "mymodel_pkg/layers.py:5"
+  with pytest.raises(ValueError, match=re.escape(
+      "source_packages must be a tuple of top-level package names, e.g. ('maxtext',), got "
+      "['my-pkg']")):
+    meshslice.explain(step, source_packages=["my-pkg"])
