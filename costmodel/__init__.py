@@ -9,6 +9,7 @@ never imports the pass or the rewrites.
   autotune   best_plan (one site), transformer_problems, recommend_mesh (mesh shapes),
              transformer_memory, paper_assumptions
   memory     per-site peak bytes of a plan, chip capacity, training-step memory
+  interconnect  Topology: the network a profile describes (data only)
   topology   per-mesh-axis bandwidth from the torus / node geometry (profile_for_mesh)
   timeline   predicted schedules as Chrome / Perfetto trace JSON
   cli        `python -m meshslice autotune`

@@ -48,7 +48,7 @@ import math
 import os
 import re
 
-from .topology import Topology
+from .interconnect import Topology
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "permute")
 
