@@ -557,33 +557,12 @@ def _batch_conflict_output(dimension_numbers, lhs_shape, rhs_shape, lhs, rhs):
   return _without_repeated_axes(entries, order)
 
 
-def _batch_from_larger_result(dimension_numbers, known, known_shape, out, out_shape,
-                              known_is_lhs):
-  """The backward half of `_batch_conflict_output`: filling the unknown operand of a
-  dot_general from a known operand that is smaller than the (known) result and whose
-  batch split disagrees with the result's (the gradient of penzai's `x * scale`: the
-  cotangent [d,b,s] times the scale [d]), the result's batch layout wins, as the larger
-  tensor's does in Shardy. Returns `known` with its batch entries so replaced (or as it
-  is: batch splits agree, known is the larger, or its contraction is split)."""
-  (lc, rc), (lb, rb) = dimension_numbers
-  mine_b, mine_c = (lb, lc) if known_is_lhs else (rb, rc)
-  if (math.prod(known_shape) >= math.prod(out_shape) or any(known[d] for d in mine_c)
-      or all(known[d] == out[k] for k, d in enumerate(mine_b))):
-    return known
-  entries = list(known)
-  for k, d in enumerate(mine_b):
-    entries[d] = out[k]
-  return tuple(entries)
-
-
 @rule("dot_general")
 def _dot_general(eqn, ins, outs, ctx, state, index):
   dn = eqn.params["dimension_numbers"]
   if (ins[0] is None) != (ins[1] is None) and outs[0] is not None:
     unknown_is_lhs = ins[0] is None
     known = ins[1] if unknown_is_lhs else ins[0]
-    known = _batch_from_larger_result(dn, known, _shape(eqn.invars[1 if unknown_is_lhs else 0]),
-                                      outs[0], _shape(eqn.outvars[0]), not unknown_is_lhs)
     filled = _fill_operand(dn, known, outs[0], len(_shape(eqn.invars[0 if unknown_is_lhs else 1])),
                            unknown_is_lhs)
     return ([filled, ins[1]] if unknown_is_lhs else [ins[0], filled]), outs

@@ -400,26 +400,6 @@ def test_batch_only_dot_general_with_conflicting_batch_split_keeps_the_larger_la
                              atol=1e-4)
 
 
-
-def test_filling_the_gradient_of_a_batch_only_dot_keeps_the_larger_results_layout():
-  """The backward half: the cotangent [d,b,s] of penzai's `x * scale` meets the scale [d]
-  (split over x on d) in a batch-only dot_general whose result [d,b,s] is known with b
-  over x. Filling the cotangent from the small scale would move x from b to d (and, on
-  the real penzai model, turn the projections' backward-data matmuls into `rs r=y c=x`
-  sites with the batch over y); the larger result's layout wins, as in XLA (whose
-  propagation gives that cotangent P(None, 'x', None) in this step)."""
-  from meshslice import analysis as A
-  dn = (((), ()), ((0,), (0,)))
-  known = A._batch_from_larger_result(dn, (("x",),), (D,), ((), ("x",), ()), (D, B, S),
-                                      known_is_lhs=False)
-  assert known == ((),)
-  assert A._fill_operand(dn, known, ((), ("x",), ()), 3, True) == ((), ("x",), ())
-  # the larger known operand, agreeing batch splits, or a split contraction: unchanged
-  assert A._batch_from_larger_result(dn, (("x",), (), ()), (D, B, S), ((), ("x",), ()),
-                                     (D, B, S), known_is_lhs=True) == (("x",), (), ())
-  assert A._batch_from_larger_result(dn, ((),), (D,), ((), ("x",), ()), (D, B, S),
-                                     known_is_lhs=False) == ((),)
-
 def _rope(t, positions):
   """Rotary embedding as keras-hub writes it: angles from iota (an outer product
   dot_general), the head dim split in halves, rotated, stacked and interleaved back."""
@@ -514,8 +494,6 @@ def test_real_penzai_llamalike_stateful_trainer():
   assert not [s for s in report.sites if s.reason.startswith("operand sharding unknown")]
   plans = collections.Counter(_plan_of(s) for s in report.sites if s.rewritten)
   assert plans[("os", ("x", None))] and plans[("ls", ("x", "y"))]
-  # backward-data matmuls keep the batch over x (no `rs r=y c=x` with the batch moved)
-  assert not plans[("rs", ("y", "x"))]
   meshslice.check(step, ksplit=2)(**kwargs).assert_ok()
   trainer = dataclasses.replace(trainer, step_fn=meshslice.transform(step))
   trainer.step(tokens=kwargs["kwargs"]["tokens"])
