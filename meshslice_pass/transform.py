@@ -96,9 +96,9 @@ class Transformed:
     context = context if getattr(context, "axis_names", ()) else None
     return tuple(_leaf_sharding(x) for x in leaves) + (context,), traced
 
-  def _jit_for(self, args, kwargs):
+  def _jit_for(self, args, kwargs, layouts=None):
     """The real `jax.jit` that runs the pass for inputs laid out like `args`."""
-    layouts, traced = self._layouts(args, kwargs)
+    layouts, traced = self._layouts(args, kwargs) if layouts is None else layouts
     key = (layouts, traced)
     jitted = self._jits.get(key)
     if jitted is None:
@@ -195,8 +195,8 @@ class Transformed:
         self._plans[key] = planned
     return planned
 
-  def _require_devices(self, args, kwargs, what):
-    layouts, traced = self._layouts(args, kwargs)
+  def _require_devices(self, args, kwargs, what, layouts=None):
+    layouts, traced = self._layouts(args, kwargs) if layouts is None else layouts
     if traced or not any(isinstance(getattr(s, "mesh", None), AbstractMesh) for s in layouts):
       return               # the common case: no need to plan here
     planned = self._planned(args, kwargs)
@@ -210,8 +210,9 @@ class Transformed:
 
   # -- public surface: what jax.jit offers
   def __call__(self, *args, **kwargs):
-    self._require_devices(args, kwargs, "call")
-    return self._jit_for(args, kwargs)(*args, **kwargs)
+    layouts = self._layouts(args, kwargs)      # once per call: this is the hot path
+    self._require_devices(args, kwargs, "call", layouts)
+    return self._jit_for(args, kwargs, layouts)(*args, **kwargs)
 
   def trace(self, *args, **kwargs) -> jax.stages.Traced:
     """Trace like `jax.jit(f).trace`: the rewritten program's `jax.stages.Traced`."""
