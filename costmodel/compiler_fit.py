@@ -43,11 +43,9 @@ import statistics
 import numpy as np
 
 from .profiles import HardwareProfile
-from .timing import GemmProblem, schedule
+from .timing import DATAFLOWS, GemmProblem, movements, schedule
 from .topology import profile_for_mesh
-from .xla_baseline import CompilerTerms, _movements
-
-_FLOWS = ("os", "ls", "rs")
+from .xla_baseline import CompilerTerms
 
 
 def problem_of(record: dict) -> GemmProblem:
@@ -100,7 +98,7 @@ def fit_terms(records, profile: HardwareProfile, clock_hz: float, *,
   sliced = [r for r in records if ksplit_of(r) > 1]
   single = {_key(r): r for r in records if ksplit_of(r) == 1}
   extra, fractions = {}, {}
-  for flow in _FLOWS:
+  for flow in DATAFLOWS:
     mine = [r for r in sliced if r["dataflow"] == flow and _key(r) in single]
     measured, predicted = [], []
     async_n = {"all_gather": 0, "reduce_scatter": 0}
@@ -112,9 +110,9 @@ def fit_terms(records, profile: HardwareProfile, clock_hz: float, *,
       measured.append(nondot / clock_hz)
       predicted.append(_analytic_extra(r, profile_for_mesh(profile, tuple(r["mesh"]))))
       s = ksplit_of(r)
-      movements = _movements(problem_of(r), flow)
+      moves = movements(problem_of(r), flow)
       for kind in async_n:
-        moved = sum(1 for v in movements if v[0] == kind and v[1] > 1)
+        moved = sum(1 for v in moves if v.kind == kind and v.size > 1)
         if not moved:
           continue
         name = kind.replace("_", "-")
@@ -128,10 +126,10 @@ def fit_terms(records, profile: HardwareProfile, clock_hz: float, *,
     fractions[flow] = {k: (async_n[k] / piped_n[k] if piped_n[k] else
                            fallback.async_fraction[flow][k]) for k in async_n}
   max_block = {flow: _allreduce_max_block([r for r in sliced if r["dataflow"] == flow])
-               for flow in _FLOWS}
+               for flow in DATAFLOWS}
   last_min = {flow: _last_allreduce_min_bytes(
       [r for r in sliced if r["dataflow"] == flow and _block(r) > max_block[flow]])
-      for flow in _FLOWS}
+      for flow in DATAFLOWS}
   windowed = _fit_windowed(records, profile, clock_hz, fallback, notes)
   terms = CompilerTerms(dot_efficiency=round(efficiency, 4),
                         dot_fixed_s=round(fixed / clock_hz, 9),
@@ -164,10 +162,10 @@ def _last_allreduce_min_bytes(sliced) -> dict:
   reduce-scatter group size had an all-reduce} ({}: none had)."""
   by_group = {}
   for r in sliced:
-    scatter = [v for v in _movements(problem_of(r), r["dataflow"])
-               if v[0] == "reduce_scatter" and v[1] > 1]
+    scatter = [v for v in movements(problem_of(r), r["dataflow"])
+               if v.kind == "reduce_scatter" and v.size > 1]
     if scatter:
-      _, size, _, shard = scatter[0]
+      size, shard = scatter[0].size, scatter[0].shard_bytes
       converted = any("all-reduce" in r[side] for side in ("sync", "async"))
       by_group.setdefault(str(size), []).append((shard / ksplit_of(r) * size, converted))
   limits = {}
@@ -205,7 +203,7 @@ def _fit_windowed(records, profile, clock_hz, fallback, notes) -> dict:
                                                 profile_for_mesh(profile, tuple(r["mesh"])),
                                                 None))
   out["windowed_min_ring"] = min(parts[id(r)][0] for r in fired)
-  for flow in _FLOWS:
+  for flow in DATAFLOWS:
     mine = [r for r in fired if r["dataflow"] == flow]
     if not mine:
       notes.append(f"{flow}: windowed einsum never fired; its terms from the fallback")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .timing import GemmProblem, _movements, wang_ring_axis, why_invalid
+from .timing import GemmProblem, movements, wang_ring_axis, why_invalid
 
 # Bytes per parameter of mixed-precision Adam: bf16 weight and gradient (2 + 2), float32
 # master weight, first and second moments (4 + 4 + 4).
@@ -75,7 +75,7 @@ def site_memory(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int
   reason = why_invalid(problem, algorithm, dataflow, ksplit, **options)
   if reason:
     raise ValueError(reason)
-  mv = _movements(problem, dataflow)
+  mv = movements(problem, dataflow)
   y_shard = problem.batch * problem.m / problem.rows * problem.n / problem.cols
   if problem.reduction == "all_reduce":     # the psum leaves Y whole on every device
     y_shard *= problem.rows

@@ -29,7 +29,7 @@ latency and overhead are those of the profile dim (0 or 1) the mesh axis is mapp
 (with a topology, `topology.profile_for_mesh` derives those dims for one mesh). The
 whole model, with its sources, is written up in docs/costmodel.md.
 
-The two movements of each dataflow (which matrix goes over which link):
+The two movements of each dataflow (which matrix goes over which link; `movements`):
 
     dataflow  row link (size R)                  col link (size C)
     os        all-gather W  (k/R x n/C)          all-gather X  (m/R x k/C)
@@ -393,7 +393,7 @@ class Schedule:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _Movement:
+class Movement:
   """One matrix crossing one link: what the dataflow communicates (unsliced)."""
 
   kind: str           # "all_gather" (an input arrives), "reduce_scatter" or "all_reduce"
@@ -406,31 +406,45 @@ class _Movement:
   matrix: str         # "X", "W" or "Y", for labels
 
 
-def _movements(p: GemmProblem, dataflow: str) -> tuple[_Movement, _Movement]:
-  """The two movements of `dataflow` (see the module docstring's table)."""
+def movements(p: GemmProblem, dataflow: str) -> tuple[Movement, Movement]:
+  """The two movements of `dataflow` (the module docstring's table): for os X then W,
+  for ls and rs the gathered input, then the output Y, whose kind is `p.reduction`.
+
+  Example:
+    >>> p = GemmProblem.one_d(m=8192, n=4096, k=4096, size=8, collective="all_reduce")
+    >>> [(v.matrix, v.kind, v.link, v.size) for v in movements(p, "rs")]
+    [('X', 'all_gather', 'col', 1), ('Y', 'all_reduce', 'row', 8)]
+  """
+  dataflow = _dataflow(dataflow)
   m, n, k, r, c, b = p.m, p.n, p.k, p.rows, p.cols, p.batch
   row = dict(link="row", size=r, dim=p.row_profile_dim)
   col = dict(link="col", size=c, dim=p.col_profile_dim)
   y_bytes = b * m / r * n / c * p.out_bytes
   if dataflow == "os":
-    return (_Movement(kind="all_gather", matrix="X", shard_bytes=b * m / r * k / c * p.in_bytes,
-                      **col),
-            _Movement(kind="all_gather", matrix="W", shard_bytes=b * k / r * n / c * p.in_bytes,
-                      **row))
+    return (Movement(kind="all_gather", matrix="X", shard_bytes=b * m / r * k / c * p.in_bytes,
+                     **col),
+            Movement(kind="all_gather", matrix="W", shard_bytes=b * k / r * n / c * p.in_bytes,
+                     **row))
   if dataflow == "ls":
-    return (_Movement(kind="all_gather", matrix="W", shard_bytes=b * k / c * n / r * p.in_bytes,
-                      **row),
-            _Movement(kind=p.reduction, matrix="Y", shard_bytes=y_bytes, **col))
-  return (_Movement(kind="all_gather", matrix="X", shard_bytes=b * m / c * k / r * p.in_bytes,
-                    **col),
-          _Movement(kind=p.reduction, matrix="Y", shard_bytes=y_bytes, **row))
+    return (Movement(kind="all_gather", matrix="W", shard_bytes=b * k / c * n / r * p.in_bytes,
+                     **row),
+            Movement(kind=p.reduction, matrix="Y", shard_bytes=y_bytes, **col))
+  return (Movement(kind="all_gather", matrix="X", shard_bytes=b * m / c * k / r * p.in_bytes,
+                   **col),
+          Movement(kind=p.reduction, matrix="Y", shard_bytes=y_bytes, **row))
+
+
+# the names before movements() became public (compiler_fit, memory and xla_baseline
+# imported them)
+_Movement = Movement
+_movements = movements
 
 
 def _out_elements(p: GemmProblem, dataflow: str) -> float:
   """Elements of the output one device ends with: the Y shard, or, after an all-reduce,
   the Y shard times the size of the axis Y was summed over (it stays whole there)."""
   y = p.batch * p.m / p.rows * p.n / p.cols
-  whole = [v.size for v in _movements(p, dataflow) if v.kind == "all_reduce"]
+  whole = [v.size for v in movements(p, dataflow) if v.kind == "all_reduce"]
   return y * (whole[0] if whole else 1)
 
 
@@ -491,7 +505,7 @@ def _algorithm(name, options=()):
   return register
 
 
-def _collective_ops(profile, mv: _Movement, parts: int, label: str) -> list[Op]:
+def _collective_ops(profile, mv: Movement, parts: int, label: str) -> list[Op]:
   if mv.size <= 1:
     return []   # not issued
   if mv.kind == "all_reduce":   # psum of the slice: its reduce-scatter and all-gather halves
@@ -533,7 +547,7 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   On 8192^3 bf16, os, S = 4, a (2, 4) v4 mesh this gives compute 1.21x the dense
   matmul's; the TPU compiler estimates 1.20x. S = 1 is the collective algorithm exactly.
   """
-  mv = _movements(p, dataflow)
+  mv = movements(p, dataflow)
   ahead = [op for v in mv if v.kind == "all_gather"
            for op in _collective_ops(profile, v, ksplit, f"all_gather {v.matrix} slice")]
   behind = [op for v in mv if v.kind != "all_gather"
@@ -589,7 +603,7 @@ def _summa(p, dataflow, ksplit, profile):
   def panel_ops(kind, label):
     return [Op(stream=v.link, name=f"{label} {v.matrix} panel",
                seconds=all_reduce_time(profile, v.dim, v.size, v.shard_bytes * v.size / panels))
-            for v in _movements(p, dataflow) if v.kind == kind and v.size > 1]
+            for v in movements(p, dataflow) if v.kind == kind and v.size > 1]
 
   mm = _matmul(p, profile, dataflow, panels, accumulate=dataflow == "os" and panels > 1)
   return (_pipeline(panels, mm,
@@ -616,7 +630,7 @@ def _cannon(p, dataflow, ksplit, profile):
   q output-sized partial sums instead of a reduce-scatter's q-1 shards).
   """
   q, s = p.rows, ksplit
-  mv = _movements(p, dataflow)
+  mv = movements(p, dataflow)
   moving = [v for v in mv if v.kind == "all_gather"]
   partial = [v for v in mv if v.kind == "reduce_scatter"]
   far = q // 2
@@ -672,7 +686,7 @@ def _wang(p, dataflow, ksplit, profile, ring=None, bidirectional=False):
   half-size matmuls. Every send is `permute_time` of the chunk.
   """
   which = wang_ring_axis(p, ring)
-  mv = _movements(p, dataflow)
+  mv = movements(p, dataflow)
   ring_mv = next(v for v in mv if v.link == which)
   other = next(v for v in mv if v.link != which)
   n, s = ring_mv.size, ksplit
@@ -849,7 +863,7 @@ def predict(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int,
   return schedule(problem, algorithm, dataflow, ksplit, profile, **options).cost()
 
 
-def _bound_bandwidth(profile: HardwareProfile, v: _Movement, algorithms) -> float:
+def _bound_bandwidth(profile: HardwareProfile, v: Movement, algorithms) -> float:
   """The best bandwidth any of `algorithms` reaches for movement `v` (see lower_bound)."""
   own = profile.collective(v.kind).bandwidth[v.dim]
   candidates = []
@@ -910,7 +924,7 @@ def lower_bound(problem: GemmProblem, profile: HardwareProfile | str,
   compute = gemm_time(profile, *problem.local_shape(_dataflow(dataflow)), batch=problem.batch,
                       in_bytes=problem.in_bytes, out_bytes=problem.out_bytes)
   links = {"row": 0.0, "col": 0.0}
-  for v in _movements(problem, dataflow):
+  for v in movements(problem, dataflow):
     if v.kind == "all_reduce":   # its two halves, each at its own collective's bandwidth
       links[v.link] += sum((v.size - 1) * v.shard_bytes / profile.collective(kind).bandwidth[v.dim]
                            for kind in ("reduce_scatter", "all_gather"))

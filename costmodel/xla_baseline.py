@@ -75,7 +75,7 @@ import json
 import os
 
 from .profiles import HardwareProfile, load_profile
-from .timing import (DATAFLOWS, GemmProblem, all_reduce_time, collective_time,
+from .timing import (DATAFLOWS, GemmProblem, all_reduce_time, collective_time, movements,
                      permute_time, schedule)
 
 SECTION = "compiler_terms"
@@ -254,8 +254,8 @@ def compiled_seconds(problem: GemmProblem, algorithm: str, dataflow: str, ksplit
   # sliced reduce-scatters on blocks too small for the compiler: synchronous all-reduces
   as_all_reduce = last_as_all_reduce = None
   block = problem.extent(dataflow) / (slices * problem.lcm)
-  _, size, dim, shard = next((v for v in _movements(problem, dataflow)
-                              if v[0] == "reduce_scatter"), (None, 1, 0, 0.0))
+  scatter = next((v for v in movements(problem, dataflow) if v.kind == "reduce_scatter"), None)
+  size, dim, shard = (scatter.size, scatter.dim, scatter.shard_bytes) if scatter else (1, 0, 0.0)
   partial = shard / slices * size          # one slice's unscattered piece, per device
   if slices > 1 and size > 1:
     if block <= terms.allreduce_max_block[dataflow]:
@@ -305,27 +305,17 @@ class XlaProgram:
   description: str
 
 
-def _movements(p: GemmProblem, dataflow: str):
-  """(kind, mesh-axis size, profile dim, per-device shard bytes) of the two matrices a
-  dataflow moves (docs/costmodel.md section 1)."""
-  m, n, k, r, c, b = p.m, p.n, p.k, p.rows, p.cols, p.batch
-  y = b * m / r * n / c * p.out_bytes
-  row, col = (r, p.row_profile_dim), (c, p.col_profile_dim)
-  return {"os": (("all_gather", *col, b * m / r * k / c * p.in_bytes),
-                 ("all_gather", *row, b * k / r * n / c * p.in_bytes)),
-          "ls": (("all_gather", *row, b * k / c * n / r * p.in_bytes),
-                 ("reduce_scatter", *col, y)),
-          "rs": (("all_gather", *col, b * m / c * k / r * p.in_bytes),
-                 ("reduce_scatter", *row, y))}[dataflow]
-
-
 def windowed_movement(problem: GemmProblem, dataflow: str):
-  """(windowed movement, other movement) of XLA's windowed einsum on this site: the
-  reduce-scatter when the dataflow has one, else the all-gather moving more bytes."""
-  moves = _movements(problem, dataflow)
-  scatter = [v for v in moves if v[0] == "reduce_scatter"]
-  ring = scatter[0] if scatter else max(moves, key=lambda v: (v[1] - 1) * v[3])
-  return ring, next(v for v in moves if v is not ring)
+  """(windowed movement, other movement) of XLA's windowed einsum on this site, each as
+  (kind, mesh-axis size, profile dim, per-device shard bytes) of `timing.movements`: the
+  output's movement when the dataflow moves Y, else the all-gather moving more bytes."""
+  moves = movements(problem, dataflow)
+  # An all-reduce site's Y too, though XLA never windows an all-reduce: the planner
+  # prices those sites dense before asking (meshslice.costing.xla_program).
+  out = [v for v in moves if v.matrix == "Y"]
+  ring = out[0] if out else max(moves, key=lambda v: (v.size - 1) * v.shard_bytes)
+  other = next(v for v in moves if v is not ring)
+  return tuple((v.kind, v.size, v.dim, v.shard_bytes) for v in (ring, other))
 
 
 def windowed_fires(problem: GemmProblem, dataflow: str, terms: CompilerTerms) -> bool:
