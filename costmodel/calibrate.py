@@ -17,7 +17,8 @@ iteration depends on the last, so nothing is hoisted or merged) and takes
 (t(1 + loops) - t(1)) / loops over median call times, which cancels the dispatch cost.
 
 The fitting names (`fit_collective`, `fit_gemm_efficiency`, `fit_collectives`,
-`build_profile`, `rank`, `spearman`, ...) are re-exported here, where they used to live.
+`build_profile`, `rank`, `spearman`, ...) are re-exported here: the benches import them
+from this module.
 
 Example:
   python -m meshslice calibrate --mesh 2x4 --out my-cpu.json          # emulated CPU mesh
