@@ -18,7 +18,10 @@ from .memory import gib as _gib
 from .timing import (ALGORITHMS, DATAFLOWS, Cost, GemmProblem, lower_bound, predict,
                      wang_ring_axis, why_invalid)
 
-# What the pass can emit today (meshslice.rewrites.ALGORITHMS); the default choice set.
+# The default candidates: the algorithms the pass chooses among by itself (the same set as
+# meshslice.costing.AUTO_ALGORITHMS, which this package cannot import). cannon, wang and
+# summa are emitted only when pinned, so a default that ranked them would recommend plans
+# the pass never makes unasked.
 EMITTABLE = ("collective", "meshslice")
 
 
@@ -132,9 +135,9 @@ def best_plan(problem: GemmProblem, profile: HardwareProfile | str, *,
   Args:
     dataflows: the dataflows the site's layouts allow (a transformer's forward matmul
       is "os", backward-data "ls", backward-weight "rs").
-    algorithms: candidates, by name; default what the pass emitted when this was
-      written (collective, meshslice). Each algorithm tries its `variants` and every
-      `valid_ksplits` value.
+    algorithms: candidates, by name; default `EMITTABLE` (collective, meshslice: what
+      the pass chooses among without a pinned algorithm). Each algorithm tries its
+      `variants` and every `valid_ksplits` value.
     max_ksplit, min_block: bounds on slicing (see `valid_ksplits`).
     memory_budget: bytes per device the site's output and communication buffers may
       take (`memory.site_memory`); candidates that need more are skipped. None: no limit.
@@ -236,9 +239,6 @@ LAYOUTS = {
            ("backward_data", "os", lambda t, i, o: (t, i, o)),    # dX = dY . W^T
            ("backward_weight", "rs", lambda t, i, o: (o, i, t))),  # dW^T = dY^T . X
 }
-
-# The default layout's phases (kept for callers that predate per-layer layouts).
-PHASES = tuple((phase, dataflow) for phase, dataflow, _ in LAYOUTS["os"])
 
 # How evaluate_mesh picks each layer's layout:
 #   model  every layout in LAYOUTS, the one with the lowest predicted time wins
