@@ -17,7 +17,11 @@ class Options:
   """What the user asked for.
 
   Attributes:
-    algorithm: "meshslice" or "collective"; None picks automatically ("meshslice").
+    algorithm: the algorithm for every site, one of `meshslice.rewrites.ALGORITHMS`
+      ("collective", "meshslice", "cannon", "wang", "summa"); a site it cannot serve
+      falls back to the cost model's choice, noted in the report (an error when
+      `strict`). None (default): the cost model chooses per site among
+      `meshslice.costing.AUTO_ALGORITHMS` ("collective", "meshslice").
     ksplit: slices per site (1 = no slicing); None picks by the ksplit rule. A value a
       site cannot use falls back to the nearest valid one, noted in the report.
     max_ksplit: upper bound for the automatic choice.
@@ -135,10 +139,10 @@ class Options:
     for name in ("strict", "relayout"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-    if self.xla_baseline not in ("auto", "windowed", "dense", "none"):
-      raise ValueError(f"xla_baseline must be 'auto', 'windowed', 'dense' or 'none', got "
-                       f"{self.xla_baseline!r}")
-    from meshslice.costmodel.xla_baseline import CompilerTerms
+    from meshslice.costmodel.xla_baseline import BASELINES, CompilerTerms
+    choices = ("auto",) + BASELINES
+    if self.xla_baseline not in choices:
+      raise ValueError(f"xla_baseline must be {_one_of(choices)}, got {self.xla_baseline!r}")
     if self.compiler_terms is not None and not isinstance(self.compiler_terms, CompilerTerms):
       raise ValueError("compiler_terms must be None (the profile's), False (none) or a "
                        "meshslice.costmodel.xla_baseline.CompilerTerms, got "
@@ -205,6 +209,11 @@ class SiteRequest:
 
 
 _SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*args))"
+
+
+def _one_of(choices) -> str:
+  """"'a', 'b' or 'c'": the choices for an error message."""
+  return ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
 
 
 def _key_kind(key) -> str:
