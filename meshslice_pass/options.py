@@ -6,6 +6,8 @@ import fnmatch
 import os
 import re
 
+from meshslice.costmodel import HardwareProfile, known_profiles, load_profile, xla_baseline
+
 from .plan import Plan
 from .pins import validate_algorithm, validate_count, validate_pin
 
@@ -96,14 +98,12 @@ class Options:
       elif not isinstance(plan, Plan):
         raise ValueError("plan must be a meshslice.Plan or the path of a plan JSON file, got "
                          f"{type(plan).__name__}")
-    from meshslice.costmodel import HardwareProfile, known_profiles, load_profile
     profile = kwargs.get("profile", DEFAULT_PROFILE)
     if not isinstance(profile, (str, os.PathLike, HardwareProfile)):
       raise TypeError(
           f"profile must be a shipped hardware profile name ({', '.join(known_profiles())}), "
           "the path of a profile JSON file, or a meshslice.costmodel.HardwareProfile, got "
           f"{type(profile).__name__} {profile!r}; omit it for the default {DEFAULT_PROFILE!r}")
-    from meshslice.costmodel import xla_baseline
     terms = kwargs.get("compiler_terms")
     try:
       # the profile first: it checks the whole file (JSON, keys, field types) and names
@@ -139,11 +139,11 @@ class Options:
     for name in ("strict", "relayout"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-    from meshslice.costmodel.xla_baseline import BASELINES, CompilerTerms
-    choices = ("auto",) + BASELINES
+    choices = ("auto",) + xla_baseline.BASELINES
     if self.xla_baseline not in choices:
       raise ValueError(f"xla_baseline must be {_one_of(choices)}, got {self.xla_baseline!r}")
-    if self.compiler_terms is not None and not isinstance(self.compiler_terms, CompilerTerms):
+    if self.compiler_terms is not None and not isinstance(self.compiler_terms,
+                                                          xla_baseline.CompilerTerms):
       raise ValueError("compiler_terms must be None (the profile's), False (none) or a "
                        "meshslice.costmodel.xla_baseline.CompilerTerms, got "
                        f"{self.compiler_terms!r}")
