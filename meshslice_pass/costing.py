@@ -197,7 +197,7 @@ def leave_to_xla(best_seconds, best_is_collective, xla, margin=XLA_MARGIN, *,
   return not best_seconds * (1 + margin) < xla.seconds
 
 
-class Choice(typing.NamedTuple):
+class PlanChoice(typing.NamedTuple):
   """What `choose` picked: the plan, its predicted seconds and a note. When no candidate
   fits the chip's memory, algorithm, ksplit and seconds are None and note says why
   ("no plan fits HBM: ...")."""
@@ -208,15 +208,19 @@ class Choice(typing.NamedTuple):
   note: str
 
 
+# The old name, kept for importers; PlanChoice tells it apart from costmodel.autotune.Choice.
+Choice = PlanChoice
+
+
 # Prefix of the reason a site is left alone with when none of its plans fits HBM.
 NO_PLAN_FITS = "no plan fits HBM"
 
 
-def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Choice:
+def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> PlanChoice:
   """Among the candidates that fit the chip's memory (`costmodel.why_too_big` with the
   profile's HBM capacity; a profile without one excludes nothing), the one with the
   fewest slices (candidate order: collective, then meshslice by ascending ksplit) whose
-  predicted time is within `NEAR_TIE` of the fastest, as a `Choice`. The note says when
+  predicted time is within `NEAR_TIE` of the fastest, as a `PlanChoice`. The note says when
   that overrode the fastest prediction, else names a runner-up within `NEAR_TIE` (a
   decision on a thin margin), and the candidates excluded for memory. None when no
   candidate can run the problem.
@@ -252,7 +256,7 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Ch
     # the plan nearest to fitting says how far off the site is
     (algorithm, ksplit), why = min(too_big.items(), key=lambda item: costmodel.site_peak_bytes(
         problem, item[0][0], dataflow, item[0][1]))
-    return Choice(None, None, None, f"{NO_PLAN_FITS}: {algorithm} S={ksplit} {why}")
+    return PlanChoice(None, None, None, f"{NO_PLAN_FITS}: {algorithm} S={ksplit} {why}")
   if not ranked:
     return None
   ranked.sort()   # ties keep candidate order: the simpler algorithm, the smaller ksplit
@@ -278,4 +282,4 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Ch
     (first, first_k), why = next(iter(too_big.items()))
     more = f" (+{len(too_big) - 1} more)" if len(too_big) > 1 else ""
     notes.append(f"excluded for memory: {first} S={first_k} {why}{more}")
-  return Choice(algorithm, ksplit, best, "; ".join(notes))
+  return PlanChoice(algorithm, ksplit, best, "; ".join(notes))
