@@ -3,16 +3,22 @@
 The cost model knows the algorithms of `meshslice.rewrites` by name and shape only; it
 never imports the pass or the rewrites.
 
-  profiles   HardwareProfile, load_profile / save_profile, the shipped JSON profiles
-  timing     GemmProblem, Cost, the collective / GEMM formulas, schedules, predict,
-             lower_bound
-  autotune   best_plan (one site), transformer_problems, recommend_mesh (mesh shapes),
-             transformer_memory, paper_assumptions
-  memory     per-site peak bytes of a plan, chip capacity, training-step memory
+  profiles      HardwareProfile, load_profile / save_profile, the shipped JSON profiles
   interconnect  Topology: the network a profile describes (data only)
-  topology   per-mesh-axis bandwidth from the torus / node geometry (profile_for_mesh)
-  timeline   predicted schedules as Chrome / Perfetto trace JSON
-  cli        `python -m meshslice autotune`
+  topology      per-mesh-axis bandwidth from the torus / node geometry (profile_for_mesh)
+  timing        GemmProblem, Cost, the collective / GEMM formulas, movements, schedules,
+                predict, lower_bound
+  memory        per-site peak bytes of a plan, chip capacity, training-step memory
+  timeline      predicted schedules as Chrome / Perfetto trace JSON
+  autotune      best_plan (one site), transformer_problems, recommend_mesh (mesh shapes),
+                transformer_memory, paper_assumptions
+  cli           `python -m meshslice autotune`
+  fitting       fits of the collective and GEMM models to timings, rank / spearman
+  calibrate     the measurement harness and `python -m meshslice calibrate`
+  xla_baseline  CompilerTerms, candidates re-priced as compiled, XLA's own program
+  compiler_fit  CompilerTerms fitted to compiled single-GEMM programs
+  hlo_text      the HLO text parser
+  tpu_schedule  compiled TPU programs read as schedules: summarize, simulate
 
 Example:
   >>> from meshslice.costmodel import GemmProblem, best_plan

@@ -4,8 +4,8 @@ per-site terms that compiled rewrites add to the analytic model.
 The analytic model (timing.py) prices a schedule of collectives and matmuls. Compiled
 TPU programs differ from it in ways a profile's peak and bandwidths cannot express; they
 are fitted from ahead-of-time compiles (`python -m meshslice calibrate --aot v4:2x2x2`,
-meshslice.compiler_fit) into a `CompilerTerms`, stored in a profile JSON file as the
-versioned section "compiler_terms":
+meshslice.costmodel.compiler_fit) into a `CompilerTerms`, stored in a profile JSON file
+as the versioned section "compiler_terms":
 
   dot_efficiency     fraction of peak_flops a compiled dot reaches, and
   dot_fixed_s        seconds every dot op costs beyond its FLOPs (why small GEMMs and

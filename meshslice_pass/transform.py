@@ -371,8 +371,11 @@ def transform(fn: Callable, **options) -> Transformed:
   and static args are kept). The result is called like `fn`, lowers with `.lower(...)`,
   and computes the same values and gradients up to float reassociation.
 
-  Options: algorithm, ksplit (slices per site), max_ksplit, min_block, strict,
-  overrides (pin single sites), plan (apply a saved plan); see `meshslice.Options`.
+  Options (each described in `meshslice.Options`): algorithm, ksplit (slices per site),
+  max_ksplit, min_block, strict, relayout (reshard an operand for a faster dataflow),
+  overrides (pin single sites), plan (apply a saved plan), profile (the hardware to plan
+  for), xla_baseline (the XLA program a rewrite must beat), compiler_terms (the fitted
+  TPU compiler terms), source_packages (installed packages holding your model code).
 
   Example:
     >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)  # doctest: +SKIP
