@@ -173,7 +173,8 @@ class HardwareProfile:
     accumulate_bytes, accumulate_fused: the HBM bytes per output element a matmul slice
       moves to add into a float32 partial sum, and whether that traffic overlaps the
       matmul (True: a fused output, as the TPU compiler does) or follows it (False: a
-      separate pass, as measured with XLA on an H200: ~16 bytes per element).
+      separate pass, as XLA on GPU does; the figure: docs/benchmarks.md, "Cost-model
+      checks").
     sources: where the numbers come from, one entry per fact.
     topology: the interconnect's geometry (`topology.Topology`), from which
       `topology.profile_for_mesh` derives per-mesh-axis bandwidths; None: the two

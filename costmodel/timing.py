@@ -544,8 +544,9 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
                 (read 4 + write out_bytes per element); ls / rs concatenate the S
                 reduce-scattered pieces into the output shard (`copy_time` of it)
 
-  On 8192^3 bf16, os, S = 4, a (2, 4) v4 mesh this gives compute 1.21x the dense
-  matmul's; the TPU compiler estimates 1.20x. S = 1 is the collective algorithm exactly.
+  These terms track the TPU compiler's own estimate of a sliced site's compute (the
+  figures: docs/benchmarks.md, "Cost-model checks"). S = 1 is the collective algorithm
+  exactly.
   """
   mv = movements(p, dataflow)
   ahead = [op for v in mv if v.kind == "all_gather"

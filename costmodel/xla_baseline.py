@@ -52,8 +52,7 @@ XLA's own program for the site (`xla_seconds`), under the recommended async flag
 
     dense     (windowed einsum off, or not firing) the collective algorithm's schedule,
               nothing overlapped: XLA's partitioner emits the same all-gathers, dot and
-              reduce-scatter (checked: for os / ls / rs 8192^3 on v4 the plain jit and
-              the collective rewrite compile to the same cycles and collectives)
+              reduce-scatter (the check: docs/benchmarks.md, "Cost-model checks")
     windowed  a ring of collective-permutes over the windowed matrix's axis beside the
               chunk dots, the other axis's collective exposed:
               other collective + loop compute + max(0, ring - hidden * loop compute),
@@ -159,10 +158,10 @@ class CompilerTerms:
 
 # Fitted by `python -m meshslice calibrate --aot v4:4x4x4 --mesh 8x8 --shapes
 # 65536x8192x8192,32768x16384x4096,16384x4096x2048,8192x8192x8192` (jax 0.10.2, libtpu
-# 0.0.42.1, 2026-12-01; 60 compiles, ~8 min here; windowed einsum fired in 8 of 12 XLA
-# programs: it needs a ring of >= 8 devices, so v4:2x2x2 cannot show it). Used for every
-# TPU profile without a calibrated section: the terms are fractions and seconds, not
-# cycles, but were measured on v4 only. Re-run after changing the emitted code.
+# 0.0.42.1; the run: docs/benchmarks.md, "Cost-model checks"). v4:4x4x4, because windowed
+# einsum needs a ring of >= 8 devices, which v4:2x2x2 lacks. Used for every TPU profile
+# without a calibrated section: the terms are fractions and seconds, not cycles, though
+# fitted on v4 only. Re-run after changing the emitted code.
 _TPU_V4 = CompilerTerms(
     dot_efficiency=0.8909, dot_fixed_s=4.957e-06,
     extra_scale={"os": 0.885, "ls": 2.481, "rs": 2.157},
