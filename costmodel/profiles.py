@@ -50,6 +50,10 @@ import re
 
 from .interconnect import Topology
 
+# The collectives a profile prices, spelled as the profile JSON keys and the
+# HardwareProfile fields are (underscores; a format, so not renamed). The HLO readers
+# (tpu_schedule.COLLECTIVES, meshslice.hlo.KINDS) name compiled instructions and keep the
+# HLO opcodes' hyphens ("all-gather"); "permute" here is HLO's "collective-permute".
 COLLECTIVES = ("all_gather", "reduce_scatter", "permute")
 
 UNITS = {
