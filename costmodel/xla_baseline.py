@@ -143,9 +143,10 @@ class CompilerTerms:
 
   @classmethod
   def from_json_dict(cls, data: dict) -> "CompilerTerms":
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-      raise ValueError(f"section {SECTION!r}: version {data.get('version') if isinstance(data, dict) else None!r} "
-                       f"is not {VERSION}; re-run python -m meshslice calibrate --aot")
+    version = data.get("version") if isinstance(data, dict) else None
+    if version != VERSION:
+      raise ValueError(f"section {SECTION!r}: version {version!r} is not {VERSION}; re-run "
+                       "python -m meshslice calibrate --aot")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - fields - {"version"}
     if unknown:
