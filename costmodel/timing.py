@@ -63,6 +63,9 @@ import math
 
 from .profiles import HardwareProfile, load_profile
 
+# The names of meshslice.rewrites.ALGORITHMS and rewrites.geometry.DATAFLOWS (this package
+# cannot import them). The order is this package's own: the autotuner tries candidates in
+# it and keeps the earlier on a tie, so the simplest algorithm comes first.
 ALGORITHMS = ("collective", "meshslice", "cannon", "wang", "summa")
 DATAFLOWS = ("os", "ls", "rs")
 REDUCTIONS = ("reduce_scatter", "all_reduce")
