@@ -266,7 +266,7 @@ def test_meshslice_os_with_cut_accumulation_and_conversion_by_hand():
   assert predict(OS, "meshslice", "os", 1, HBM) == predict(OS, "collective", "os", 1, HBM)
   assert predict(OS, "collective", "os", 1, HBM).compute_s == approx(8e-3 + 1e-5)
   # what the TPU compiler estimates for 8192^3 bf16 os, S = 4, on a (2, 4) v4 mesh: the
-  # rewritten body's compute is 1.20x the dense program's (DESIGN.md 6b, docs/tpu.md)
+  # rewritten body's compute is 1.20x the dense program's (docs/costmodel.md, docs/tpu.md)
   p = GemmProblem(m=8192, n=8192, k=8192, rows=2, cols=4)
   ratio = (predict(p, "meshslice", "os", 4, "tpu-v4").compute_s
            / predict(p, "collective", "os", 1, "tpu-v4").compute_s)
