@@ -11,7 +11,7 @@ import jax
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 from .slicing import pipeline_barrier
 from .wang import shift
 
@@ -100,13 +100,13 @@ def _os(g: GemmGeometry, ksplit, lhs, rhs):
       if not last:
         x_next = shift(xs[c], g.col_axis, r, -1)
         w_next = shift(ws[c], g.row_axis, r, -1)
-      part = _local_dot(g, xs[c], ws[c], acc_dtype)
+      part = local_dot(g, xs[c], ws[c], acc_dtype)
       acc = part if acc is None else acc + part
       if not last:
         xs[c], ws[c] = x_next, w_next
         # Later chunks' shifts start from the barrier's output: no collective combining.
         xs, ws, acc = pipeline_barrier((xs, ws, acc))
-  return _finish(g, acc, lhs, rhs)
+  return finish(g, acc, lhs, rhs)
 
 
 def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
@@ -128,7 +128,7 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
 
   def multiply(piece):
     a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
-    return _local_dot(g, a, b, acc_dtype)
+    return local_dot(g, a, b, acc_dtype)
 
   # Skew: device (a, b) gets block a + b, from (a + b, b).
   ms = _chunks(permute(moving, lambda a, b: (a - b, b)), move_dim, ksplit)
@@ -153,4 +153,4 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
   for pc, v, _ in pending:     # the last chunk's unskew is the epilogue
     done[pc] = permute(v, lambda a, b: (a, b + a - 1))
   out = done[0] if ksplit == 1 else jnp.concatenate(done, axis=g.out_dim)
-  return _finish(g, out, lhs, rhs)
+  return finish(g, out, lhs, rhs)

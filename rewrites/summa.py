@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 
 
 def unsupported(geometry: GemmGeometry, ksplit: int = 1) -> str:
@@ -83,7 +83,7 @@ def _zeros_of_product(g: GemmGeometry, a, b, dtype):
   if lc:
     a = lax.slice_in_dim(a, 0, 0, axis=lc[0])
     b = lax.slice_in_dim(b, 0, 0, axis=rc[0])
-  return jnp.zeros_like(_local_dot(g, a, b, dtype))
+  return jnp.zeros_like(local_dot(g, a, b, dtype))
 
 
 def _pipeline(panels, first, fetch, compute, state):
@@ -110,11 +110,11 @@ def _os(g: GemmGeometry, panels, lhs, rhs):
             bcast(rhs, g.rhs_dim, g.row_axis, g.row_size, q, panels))
 
   def compute(q, cur, acc):
-    return acc + _local_dot(g, *cur, acc_dtype)
+    return acc + local_dot(g, *cur, acc_dtype)
 
   first = fetch(0)
   acc = _zeros_of_product(g, *first, acc_dtype)
-  return _finish(g, _pipeline(panels, first, fetch, compute, acc), lhs, rhs)
+  return finish(g, _pipeline(panels, first, fetch, compute, acc), lhs, rhs)
 
 
 def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
@@ -144,7 +144,7 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
 
   def multiply(cur):
     a, b = (cur, rhs) if moving_is_lhs else (lhs, cur)
-    return _local_dot(g, a, b, acc_dtype).astype(wire_dtype)
+    return local_dot(g, a, b, acc_dtype).astype(wire_dtype)
 
   def compute(q, cur, state):
     pending, out = state
@@ -162,4 +162,4 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
   shape[g.out_dim] *= panels // scatter_n
   state = (part, jnp.zeros_like(part, shape=shape))
   pending, out = _pipeline(panels, first, fetch, compute, state)
-  return _finish(g, keep(panels - 1, pending, out), lhs, rhs)
+  return finish(g, keep(panels - 1, pending, out), lhs, rhs)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .geometry import GemmGeometry, extent_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 from .slicing import pipeline_barrier
 
 RINGS = ("row", "col")
@@ -176,11 +176,11 @@ def _os(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs):
   def consume(acc, piece, start):
     matching = lax.dynamic_slice_in_dim(other, start, piece.shape[ring_dim], axis=other_dim)
     a, b = (piece, matching) if ring_is_lhs else (matching, piece)
-    part = _local_dot(g, a, b, acc_dtype)
+    part = local_dot(g, a, b, acc_dtype)
     return part if acc is None else acc + part
 
   acc = ring_all_gather(ring, ring_dim, ring_axis, ring_size, ksplit, bidirectional, consume)
-  return _finish(g, acc, lhs, rhs)
+  return finish(g, acc, lhs, rhs)
 
 
 def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, moving_is_lhs):
@@ -199,7 +199,7 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
 
   def multiply(piece):
     a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
-    return _local_dot(g, a, b, acc_dtype)
+    return local_dot(g, a, b, acc_dtype)
 
   if which == gather[0]:   # all-gather ring, then the plain reduce-scatter
     def consume(buf, piece, start):
@@ -222,4 +222,4 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
 
     out = ring_reduce_scatter(produce, scatter[1], scatter[2], g.global_extent // scatter[2],
                               g.out_dim, ksplit, bidirectional, wire_dtype)
-  return _finish(g, out, lhs, rhs)
+  return finish(g, out, lhs, rhs)
