@@ -6,14 +6,14 @@ of the partial sums) comes on top of the R - 1 neighbour shifts.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from .geometry import GemmGeometry, extent_reason, ksplit_reason
 from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
+from .geometry import GemmGeometry, extent_reason, ksplit_reason
+from .rings import shift
 from .slicing import pipeline_barrier
-from .wang import shift
 
 
 def unsupported(geometry: GemmGeometry, ksplit: int = 1) -> str:

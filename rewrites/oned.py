@@ -28,10 +28,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .geometry import OneDGeometry, extent_reason
 from ._local import accumulation_dtype, finish, local_dot, reduction_dtype, result_dtype
+from .geometry import OneDGeometry, extent_reason
+from .rings import ring_all_gather, ring_reduce_scatter
 from .slicing import assemble_slices, pipeline_barrier, take_slice
-from .wang import ring_all_gather, ring_reduce_scatter
 
 
 def output_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .geometry import GemmGeometry, extent_reason, ksplit_reason
 from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
+from .geometry import GemmGeometry, extent_reason, ksplit_reason
 
 
 def unsupported(geometry: GemmGeometry, ksplit: int = 1) -> str:
