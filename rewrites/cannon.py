@@ -115,23 +115,20 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
   r = g.row_size
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim, a_axis, b_axis = lhs, g.lhs_dim, g.col_axis, g.row_axis
-    to_grid = lambda a, b: (b, a)          # (a, b) -> (row, col)
-  else:
-    moving, move_dim, a_axis, b_axis = rhs, g.rhs_dim, g.row_axis, g.col_axis
-    to_grid = lambda a, b: (a, b)
+  roles = g.stationary_roles(moving_is_lhs)
+  a_axis, b_axis = roles.gather_axis, roles.scatter_axis
+  # (a, b) -> (row, col): a swap for rs, the identity for ls
+  to_grid = (lambda a, b: (b, a)) if moving_is_lhs else (lambda a, b: (a, b))
   from_grid = to_grid                      # a swap (or identity) is its own inverse
 
   def permute(x, dest_of_ab):
     return _grid_permute(x, g, lambda i, j: to_grid(*dest_of_ab(*from_grid(i, j))))
 
   def multiply(piece):
-    a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
-    return local_dot(g, a, b, acc_dtype)
+    return local_dot(g, *roles.operands(piece, lhs, rhs), acc_dtype)
 
   # Skew: device (a, b) gets block a + b, from (a + b, b).
-  ms = _chunks(permute(moving, lambda a, b: (a - b, b)), move_dim, ksplit)
+  ms = _chunks(permute(roles.moving(lhs, rhs), lambda a, b: (a - b, b)), roles.dim, ksplit)
   accs, done = [None] * ksplit, [None] * ksplit
   pending = []          # (chunk, partial sum, is final) to send during the next stage
   for t in range(r):

@@ -104,22 +104,19 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   partials scatter over row) are the same loop with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim, gather_axis, scatter_axis = lhs, g.lhs_dim, g.col_axis, g.row_axis
-  else:
-    moving, move_dim, gather_axis, scatter_axis = rhs, g.rhs_dim, g.row_axis, g.col_axis
+  roles = g.stationary_roles(moving_is_lhs)
 
   def gather(m, s):
-    return lax.all_gather(m[s], gather_axis, axis=move_dim, tiled=True)
+    return lax.all_gather(m[s], roles.gather_axis, axis=roles.dim, tiled=True)
 
   def multiply(m_slice):
-    a, b = (m_slice, rhs) if moving_is_lhs else (lhs, m_slice)
-    return local_dot(g, a, b, acc_dtype).astype(wire_dtype)
+    return local_dot(g, *roles.operands(m_slice, lhs, rhs), acc_dtype).astype(wire_dtype)
 
   def scatter(partial):
-    return lax.psum_scatter(partial, scatter_axis, scatter_dimension=g.out_dim, tiled=True)
+    return lax.psum_scatter(partial, roles.scatter_axis, scatter_dimension=g.out_dim,
+                            tiled=True)
 
-  m = take_slices(moving, move_dim, ksplit, block)     # all at once, as in OS
+  m = take_slices(roles.moving(lhs, rhs), roles.dim, ksplit, block)  # all at once, as in OS
   m_cur = gather(m, 0)
   pieces, pending = [], None
   for s in range(ksplit):

@@ -113,20 +113,13 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
   col, partials scattered over row): the same code with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim = lhs, g.lhs_dim
-    gather = ("col", g.col_axis, g.col_size)
-    scatter = ("row", g.row_axis, g.row_size)
-  else:
-    moving, move_dim = rhs, g.rhs_dim
-    gather = ("row", g.row_axis, g.row_size)
-    scatter = ("col", g.col_axis, g.col_size)
+  roles = g.stationary_roles(moving_is_lhs)
+  moving, move_dim = roles.moving(lhs, rhs), roles.dim
 
   def multiply(piece):
-    a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
-    return local_dot(g, a, b, acc_dtype)
+    return local_dot(g, *roles.operands(piece, lhs, rhs), acc_dtype)
 
-  if which == gather[0]:   # all-gather ring, then the plain reduce-scatter
+  if which == roles.gather_link:   # all-gather ring, then the plain reduce-scatter
     def consume(buf, piece, start):
       part = multiply(piece).astype(wire_dtype)
       if buf is None:
@@ -136,15 +129,16 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
         buf = jnp.zeros_like(part, shape=shape)
       return lax.dynamic_update_slice_in_dim(buf, part, start, axis=g.out_dim)
 
-    buf = ring_all_gather(moving, move_dim, gather[1], gather[2], ksplit, bidirectional,
-                          consume)
-    out = lax.psum_scatter(buf, scatter[1], scatter_dimension=g.out_dim, tiled=True)
-  else:                    # the plain all-gather, then a reduce-scatter ring
-    full = lax.all_gather(moving, gather[1], axis=move_dim, tiled=True)
+    buf = ring_all_gather(moving, move_dim, roles.gather_axis, roles.gather_size, ksplit,
+                          bidirectional, consume)
+    out = lax.psum_scatter(buf, roles.scatter_axis, scatter_dimension=g.out_dim, tiled=True)
+  else:                            # the plain all-gather, then a reduce-scatter ring
+    full = lax.all_gather(moving, roles.gather_axis, axis=move_dim, tiled=True)
 
     def produce(start, size):
       return multiply(lax.dynamic_slice_in_dim(full, start, size, axis=move_dim))
 
-    out = ring_reduce_scatter(produce, scatter[1], scatter[2], g.global_extent // scatter[2],
-                              g.out_dim, ksplit, bidirectional, wire_dtype)
+    out = ring_reduce_scatter(produce, roles.scatter_axis, roles.scatter_size,
+                              g.global_extent // roles.scatter_size, g.out_dim, ksplit,
+                              bidirectional, wire_dtype)
   return finish(g, out, lhs, rhs)
