@@ -4,7 +4,7 @@ A `GemmGeometry` says which local dims of the operands are sliced and communicat
 which mesh axes, and how the local matmul is computed. It knows nothing about
 PartitionSpecs: the caller (the pass, or a person writing shard_map code by hand) wraps
 the body an algorithm builds in a `jax.shard_map` whose specs realise the layouts of
-DESIGN.md section 4:
+docs/design.md ("The three dataflows"):
 
     dataflow  lhs (X)          rhs (W)          output (Y)
     os        M:row, K:col     K:row, N:col     M:row, N:col
@@ -51,7 +51,7 @@ class GemmGeometry(_Slicing):
     dimension_numbers: the dot_general's ((lhs_contract, rhs_contract),
       (lhs_batch, rhs_batch)), unchanged from the original program.
     dataflow: "os", "ls" or "rs" (which matrix stays put).
-    row_axis, col_axis: the two mesh axis names (r and c in DESIGN.md section 4). For
+    row_axis, col_axis: the two mesh axis names (r and c in docs/design.md). For
       "os" one of them may be None with size 1: that operand holds K whole, and only the
       other is gathered (e.g. Y[M:a, N] = X[M:a, K] . all_gather(W[K:a, N])).
     row_size, col_size: their sizes R and C.
@@ -161,7 +161,7 @@ ONED_KINDS = ("all_gather", "reduce_scatter")
 class OneDGeometry(_Slicing):
   """A dot_general sharded over one mesh axis `axis` (size n), in local terms.
 
-  The one-axis special case of DESIGN.md section 4; the layouts are (a, b stand for any
+  The one-axis special case of the 2D layouts; the layouts are (a, b stand for any
   other dims, which may be split further over other mesh axes without communication):
 
     kind            lhs / rhs                               output

@@ -6,9 +6,9 @@ returns the local output block. The caller supplies the shard_map and its specs 
 `geometry.py` for the layouts of each dataflow).
 
 Pipelining: the collective for slice s+1 is issued beside the matmul of slice s, and an
-`optimization_barrier` (`slicing.pipeline_barrier`) joins them before step s+1 starts. Slice s+2 is cut from the
-barrier's output, so its collective depends on the barrier and XLA's collective combiner
-cannot merge the S sliced collectives back into one.
+`optimization_barrier` (`slicing.pipeline_barrier`) joins them before step s+1 starts.
+Slice s+2 is cut from the barrier's output, so its collective depends on the barrier and
+XLA's collective combiner cannot merge the S sliced collectives back into one.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """1D sites: a matmul sharded over one mesh axis, as a sliced or ring collective matmul.
 
-The one-axis special case of the 2D machinery (DESIGN.md section 4), for the two
+The one-axis special case of the 2D machinery (docs/design.md, "1D sites"), for the two
 patterns of 1D tensor / sequence parallelism (layouts in `OneDGeometry`):
 
   all_gather:     Y = all_gather(X, a, M) . W        the gathered operand moves

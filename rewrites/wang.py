@@ -17,8 +17,7 @@ from jax import lax
 
 from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 from .geometry import GemmGeometry, extent_reason
-from .rings import ring_all_gather as ring_all_gather
-from .rings import ring_reduce_scatter as ring_reduce_scatter
+from .rings import ring_all_gather, ring_reduce_scatter
 from .rings import shift as shift  # re-exported: the ring engines were defined here
 
 RINGS = ("row", "col")
