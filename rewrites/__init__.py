@@ -13,7 +13,7 @@ pick the dtypes and local dots that platform's compiler sums and runs correctly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from . import cannon, oned, summa, wang
 from .cannon import build_cannon
