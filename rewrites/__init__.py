@@ -1,11 +1,20 @@
-"""Distributed-GEMM algorithms as shard_map body builders (pure functions).
+"""Distributed-GEMM algorithms as shard_map body builders.
 
 `meshslice.rewrites` is usable by the pass and by people writing shard_map code by hand:
 describe the GEMM with a `GemmGeometry` (or a `OneDGeometry` for a site sharded over one
 mesh axis), build a body, wrap it in `jax.shard_map`. Every algorithm of a geometry
 takes the same input layouts and returns the same output layout, so they are drop-in
 alternatives for one site; `supports` says which ones can serve it.
+
+A body depends on its geometry and on one ambient input: it reads the target platform
+(`platform.target_platform`, the platform of the mesh being traced) at trace time, to
+pick the dtypes and local dots that platform's compiler sums and runs correctly.
 """
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
 from . import cannon, oned, summa, wang
 from .cannon import build_cannon
 from .geometry import DATAFLOWS, ONED_KINDS, GemmGeometry, OneDGeometry, extent_reason
@@ -15,11 +24,73 @@ from .slicing import assemble_slices, take_slice
 from .summa import build_summa
 from .wang import build_wang
 
-ALGORITHMS = ("meshslice", "collective", "cannon", "wang", "summa")
 
-# The algorithms of a 1D site and what they mean there.
-_ONED = {"meshslice": "sliced collectives", "collective": "one collective",
-         "wang": "ppermute ring (not for all-reduce sites)"}
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Algorithm:
+  """One row of the algorithm table: how to build an algorithm's body, and when it
+  cannot serve a site.
+
+  Attributes:
+    build_2d: `(geometry, ksplit, **options) -> body` for a `GemmGeometry`.
+    unsupported: `(geometry) -> str`, the algorithm's own reason it cannot serve a
+      `GemmGeometry` (with ksplit=1 and default options), "" if it can.
+    options: the keyword options of `build_2d` (the cost model's time model of the same
+      name takes the same ones: `costmodel.algorithm_options`).
+    needs_two_axes: it cannot serve an os site that communicates over one mesh axis
+      (row_axis or col_axis None, with size 1).
+    build_1d: `(geometry, ksplit, **options) -> body` for a `OneDGeometry`, or None when
+      the algorithm has no 1D form.
+    unsupported_1d: `(geometry) -> str`, as `unsupported` for a `OneDGeometry`.
+  """
+
+  build_2d: Callable
+  unsupported: Callable[..., str]
+  options: tuple[str, ...] = ()
+  needs_two_axes: bool = False
+  build_1d: Callable | None = None
+  unsupported_1d: Callable[..., str] | None = None
+
+
+def _extent_only(algorithm: str):
+  """The rule of an algorithm that slices any extent lcm(R, C) divides."""
+  def unsupported(geometry) -> str:
+    reason = extent_reason(geometry)
+    return f"{algorithm}: {reason}" if reason else ""
+  return unsupported
+
+
+def _collective_2d(geometry, ksplit=1, **options):
+  return build_collective(geometry, **options)     # one collective: nothing to slice
+
+
+def _collective_1d(geometry, ksplit=1, **options):
+  return build_oned_collective(geometry, **options)
+
+
+def _oned_rule(ring: bool):
+  return lambda geometry: oned.unsupported(geometry, ring=ring)
+
+
+# Adding an algorithm: a row here, its time model (`@_algorithm`) in costmodel/timing.py,
+# and tests/test_rewrites_registry.py checks that the two agree on what is valid.
+_TABLE = {
+    "meshslice": Algorithm(build_2d=build_meshslice, unsupported=_extent_only("meshslice"),
+                           build_1d=build_oned_sliced, unsupported_1d=_oned_rule(False)),
+    "collective": Algorithm(build_2d=_collective_2d, unsupported=_extent_only("collective"),
+                            build_1d=_collective_1d, unsupported_1d=_oned_rule(False)),
+    "cannon": Algorithm(build_2d=build_cannon, unsupported=cannon.unsupported,
+                        needs_two_axes=True),
+    # on a 1D site: a ppermute ring (not for all-reduce sites), which takes bidirectional
+    "wang": Algorithm(build_2d=build_wang, unsupported=wang.unsupported,
+                      options=("ring", "bidirectional"), needs_two_axes=True,
+                      build_1d=build_oned_ring, unsupported_1d=_oned_rule(True)),
+    "summa": Algorithm(build_2d=build_summa, unsupported=summa.unsupported,
+                       needs_two_axes=True),
+}
+
+ALGORITHMS = tuple(_TABLE)
+# The algorithms with a form for a 1D site.
+_ONED = tuple(name for name, entry in _TABLE.items() if entry.build_1d is not None)
 
 
 def supports(algorithm: str, geometry) -> str:
@@ -31,26 +102,19 @@ def supports(algorithm: str, geometry) -> str:
   """
   if algorithm not in ALGORITHMS:
     return f"unknown algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}"
+  entry = _TABLE[algorithm]
   if isinstance(geometry, OneDGeometry):
-    if algorithm not in _ONED:
+    if entry.build_1d is None:
       return (f"{algorithm} needs a 2D site (a matmul sharded over two mesh axes); this is "
               f"a 1D {geometry.kind} site over {geometry.axis!r}: use one of "
               f"{', '.join(_ONED)}")
-    return oned.unsupported(geometry, ring=algorithm == "wang")
+    return entry.unsupported_1d(geometry)
   if not isinstance(geometry, GemmGeometry):
     return f"geometry must be a GemmGeometry or OneDGeometry, got {type(geometry).__name__}"
-  if None in (geometry.row_axis, geometry.col_axis) and algorithm not in ("meshslice",
-                                                                          "collective"):
+  if entry.needs_two_axes and None in (geometry.row_axis, geometry.col_axis):
     return (f"{algorithm} needs two mesh axes; this site communicates over one "
             "(an OS site with a size-1 axis): use meshslice or collective")
-  if algorithm == "cannon":
-    return cannon.unsupported(geometry)
-  if algorithm == "wang":
-    return wang.unsupported(geometry)
-  if algorithm == "summa":
-    return summa.unsupported(geometry)
-  reason = extent_reason(geometry)      # meshslice / collective
-  return f"{algorithm}: {reason}" if reason else ""
+  return entry.unsupported(geometry)
 
 
 def build_body(algorithm: str, geometry, ksplit: int = 1, **options):
@@ -63,24 +127,19 @@ def build_body(algorithm: str, geometry, ksplit: int = 1, **options):
   """
   if algorithm not in ALGORITHMS:
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+  entry = _TABLE[algorithm]
   if isinstance(geometry, OneDGeometry):
     reason = supports(algorithm, geometry)
     if reason:
       raise ValueError(reason)
-    if algorithm == "meshslice":
-      return build_oned_sliced(geometry, ksplit, **options)
-    if algorithm == "collective":
-      return build_oned_collective(geometry, **options)
-    return build_oned_ring(geometry, ksplit, **options)
-  if algorithm == "meshslice":
-    return build_meshslice(geometry, ksplit, **options)
-  if algorithm == "collective":
-    return build_collective(geometry, **options)
-  reason = supports(algorithm, geometry)
-  if reason:
-    raise ValueError(reason)
-  builder = {"cannon": build_cannon, "wang": build_wang, "summa": build_summa}[algorithm]
-  return builder(geometry, ksplit, **options)
+    return entry.build_1d(geometry, ksplit, **options)
+  # meshslice and collective check their geometry as they build it (block_size, with the
+  # ksplit in its message); the two-axes rule is the table's, so `supports` goes first
+  if entry.needs_two_axes:
+    reason = supports(algorithm, geometry)
+    if reason:
+      raise ValueError(reason)
+  return entry.build_2d(geometry, ksplit, **options)
 
 
 __all__ = ["ALGORITHMS", "DATAFLOWS", "GemmGeometry", "ONED_KINDS", "OneDGeometry",

@@ -6,14 +6,14 @@ of the partial sums) comes on top of the R - 1 neighbour shifts.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 from jax import lax
 
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
+from .rings import shift
 from .slicing import pipeline_barrier
-from .wang import shift
 
 
 def unsupported(geometry: GemmGeometry, ksplit: int = 1) -> str:
@@ -100,13 +100,13 @@ def _os(g: GemmGeometry, ksplit, lhs, rhs):
       if not last:
         x_next = shift(xs[c], g.col_axis, r, -1)
         w_next = shift(ws[c], g.row_axis, r, -1)
-      part = _local_dot(g, xs[c], ws[c], acc_dtype)
+      part = local_dot(g, xs[c], ws[c], acc_dtype)
       acc = part if acc is None else acc + part
       if not last:
         xs[c], ws[c] = x_next, w_next
         # Later chunks' shifts start from the barrier's output: no collective combining.
         xs, ws, acc = pipeline_barrier((xs, ws, acc))
-  return _finish(g, acc, lhs, rhs)
+  return finish(g, acc, lhs, rhs)
 
 
 def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
@@ -115,23 +115,20 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
   r = g.row_size
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim, a_axis, b_axis = lhs, g.lhs_dim, g.col_axis, g.row_axis
-    to_grid = lambda a, b: (b, a)          # (a, b) -> (row, col)
-  else:
-    moving, move_dim, a_axis, b_axis = rhs, g.rhs_dim, g.row_axis, g.col_axis
-    to_grid = lambda a, b: (a, b)
+  roles = g.stationary_roles(moving_is_lhs)
+  a_axis, b_axis = roles.gather_axis, roles.scatter_axis
+  # (a, b) -> (row, col): a swap for rs, the identity for ls
+  to_grid = (lambda a, b: (b, a)) if moving_is_lhs else (lambda a, b: (a, b))
   from_grid = to_grid                      # a swap (or identity) is its own inverse
 
   def permute(x, dest_of_ab):
     return _grid_permute(x, g, lambda i, j: to_grid(*dest_of_ab(*from_grid(i, j))))
 
   def multiply(piece):
-    a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
-    return _local_dot(g, a, b, acc_dtype)
+    return local_dot(g, *roles.operands(piece, lhs, rhs), acc_dtype)
 
   # Skew: device (a, b) gets block a + b, from (a + b, b).
-  ms = _chunks(permute(moving, lambda a, b: (a - b, b)), move_dim, ksplit)
+  ms = _chunks(permute(roles.moving(lhs, rhs), lambda a, b: (a - b, b)), roles.dim, ksplit)
   accs, done = [None] * ksplit, [None] * ksplit
   pending = []          # (chunk, partial sum, is final) to send during the next stage
   for t in range(r):
@@ -153,4 +150,4 @@ def _stationary(g: GemmGeometry, ksplit, lhs, rhs, *, moving_is_lhs):
   for pc, v, _ in pending:     # the last chunk's unskew is the epilogue
     done[pc] = permute(v, lambda a, b: (a, b + a - 1))
   out = done[0] if ksplit == 1 else jnp.concatenate(done, axis=g.out_dim)
-  return _finish(g, out, lhs, rhs)
+  return finish(g, out, lhs, rhs)

@@ -4,7 +4,7 @@ A `GemmGeometry` says which local dims of the operands are sliced and communicat
 which mesh axes, and how the local matmul is computed. It knows nothing about
 PartitionSpecs: the caller (the pass, or a person writing shard_map code by hand) wraps
 the body an algorithm builds in a `jax.shard_map` whose specs realise the layouts of
-DESIGN.md section 4:
+docs/design.md ("The three dataflows"):
 
     dataflow  lhs (X)          rhs (W)          output (Y)
     os        M:row, K:col     K:row, N:col     M:row, N:col
@@ -51,7 +51,7 @@ class GemmGeometry(_Slicing):
     dimension_numbers: the dot_general's ((lhs_contract, rhs_contract),
       (lhs_batch, rhs_batch)), unchanged from the original program.
     dataflow: "os", "ls" or "rs" (which matrix stays put).
-    row_axis, col_axis: the two mesh axis names (r and c in DESIGN.md section 4). For
+    row_axis, col_axis: the two mesh axis names (r and c in docs/design.md). For
       "os" one of them may be None with size 1: that operand holds K whole, and only the
       other is gathered (e.g. Y[M:a, N] = X[M:a, K] . all_gather(W[K:a, N])).
     row_size, col_size: their sizes R and C.
@@ -98,6 +98,60 @@ class GemmGeometry(_Slicing):
   def lcm(self) -> int:
     return math.lcm(self.row_size, self.col_size)
 
+  def stationary_roles(self, moving_is_lhs: bool) -> Roles:
+    """Which operand moves over which axis in an operand-stationary dataflow: ls (the rhs
+    moves over row, partial sums scatter over col; `moving_is_lhs=False`) and rs (the
+    lhs moves over col, partial sums scatter over row; `moving_is_lhs=True`) are the
+    same loop with these roles swapped.
+
+    >>> g = GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow="rs",
+    ...                  row_axis="x", col_axis="y", row_size=2, col_size=4,
+    ...                  lhs_dim=0, rhs_dim=None, out_dim=0, global_extent=64)
+    >>> r = g.stationary_roles(moving_is_lhs=True)
+    >>> r.dim, r.gather_link, r.gather_axis, r.scatter_axis, r.scatter_size
+    (0, 'col', 'y', 'x', 2)
+    """
+    if self.dataflow == "os":
+      raise ValueError("an os GEMM has no stationary operand: both operands move")
+    if moving_is_lhs:
+      return Roles(moving_is_lhs=True, dim=self.lhs_dim, gather_link="col",
+                   gather_axis=self.col_axis, gather_size=self.col_size,
+                   scatter_axis=self.row_axis, scatter_size=self.row_size)
+    return Roles(moving_is_lhs=False, dim=self.rhs_dim, gather_link="row",
+                 gather_axis=self.row_axis, gather_size=self.row_size,
+                 scatter_axis=self.col_axis, scatter_size=self.col_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Roles:
+  """The roles of an ls or rs GEMM (`GemmGeometry.stationary_roles`): one operand moves
+  (is gathered) along `dim` over the gather axis, the other stays put, and the partial
+  sums are reduced over the scatter axis.
+
+  Attributes:
+    moving_is_lhs: the lhs moves (rs) or the rhs does (ls).
+    dim: the moving operand's communicated dim.
+    gather_link: "row" or "col", which of the geometry's two axes the moving operand
+      travels over; gather_axis, gather_size: that mesh axis and its size.
+    scatter_axis, scatter_size: the other mesh axis (and its size), the one the partial
+      sums are reduced over.
+  """
+
+  moving_is_lhs: bool
+  dim: int
+  gather_link: str
+  gather_axis: str
+  gather_size: int
+  scatter_axis: str
+  scatter_size: int
+
+  def moving(self, lhs, rhs):
+    """The operand that moves, of the local pair (lhs, rhs)."""
+    return lhs if self.moving_is_lhs else rhs
+
+  def operands(self, piece, lhs, rhs):
+    """The local (lhs, rhs) pair with `piece` in the moving operand's place."""
+    return (piece, rhs) if self.moving_is_lhs else (lhs, piece)
 
 
 ONED_KINDS = ("all_gather", "reduce_scatter")
@@ -107,7 +161,7 @@ ONED_KINDS = ("all_gather", "reduce_scatter")
 class OneDGeometry(_Slicing):
   """A dot_general sharded over one mesh axis `axis` (size n), in local terms.
 
-  The one-axis special case of DESIGN.md section 4; the layouts are (a, b stand for any
+  The one-axis special case of the 2D layouts; the layouts are (a, b stand for any
   other dims, which may be split further over other mesh axes without communication):
 
     kind            lhs / rhs                               output
@@ -183,7 +237,6 @@ class OneDGeometry(_Slicing):
   def lcm(self) -> int:
     # One axis: the block-cyclic arithmetic of GemmGeometry with lcm(R, C) -> n.
     return self.axis_size
-
 
 
 def extent_reason(geometry) -> str:

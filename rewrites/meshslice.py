@@ -6,57 +6,20 @@ returns the local output block. The caller supplies the shard_map and its specs 
 `geometry.py` for the layouts of each dataflow).
 
 Pipelining: the collective for slice s+1 is issued beside the matmul of slice s, and an
-`optimization_barrier` (`slicing.pipeline_barrier`) joins them before step s+1 starts. Slice s+2 is cut from the
-barrier's output, so its collective depends on the barrier and XLA's collective combiner
-cannot merge the S sliced collectives back into one.
+`optimization_barrier` (`slicing.pipeline_barrier`) joins them before step s+1 starts.
+Slice s+2 is cut from the barrier's output, so its collective depends on the barrier and
+XLA's collective combiner cannot merge the S sliced collectives back into one.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax import lax
 
+from ._local import finish, local_dot
+# defined here before _local existed; re-exported for their callers
+from ._local import accumulation_dtype as accumulation_dtype
+from ._local import reduction_dtype as reduction_dtype
 from .geometry import GemmGeometry
-from .platform import target_platform
 from .slicing import assemble_slices, pipeline_barrier, take_slices
-
-
-def accumulation_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
-  """Float results narrower than 32 bits are accumulated across slices in float32."""
-  out = jnp.dtype(geometry.preferred_element_type or geometry.out_dtype
-                  or jnp.result_type(lhs_dtype, rhs_dtype))
-  if jnp.issubdtype(out, jnp.floating) and out.itemsize < 4:
-    return jnp.dtype(jnp.float32)
-  return out
-
-
-def reduction_dtype(geometry: GemmGeometry, lhs_dtype, rhs_dtype):
-  """The dtype partial sums are summed across devices in: the output dtype, as XLA's
-  own program sums them on TPU; on CPU the accumulation dtype, because XLA's CPU
-  compiler sums bf16 / f16 partials in float32 (it promotes those all-reduces and keeps
-  the dot's float32 result unrounded until then). Rounding the partials first made bf16
-  results drift from plain jit's on CPU (a cancelling loss off by 22 %)."""
-  out = jnp.dtype(geometry.out_dtype or jnp.result_type(lhs_dtype, rhs_dtype))
-  if target_platform() == "cpu":
-    return jnp.promote_types(out, accumulation_dtype(geometry, lhs_dtype, rhs_dtype))
-  return out
-
-
-def _local_dot(geometry: GemmGeometry, lhs, rhs, dtype):
-  if (target_platform() == "cpu" and jnp.dtype(dtype).itemsize > lhs.dtype.itemsize
-      and jnp.issubdtype(lhs.dtype, jnp.floating)):
-    # XLA's CPU runtime cannot run some bf16 x bf16 -> f32 dots ("Unsupported element
-    # type for DotThunk"); widening the operands first computes the same products.
-    lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
-  return lax.dot_general(lhs, rhs, geometry.dimension_numbers,
-                         precision=geometry.precision, preferred_element_type=dtype)
-
-
-def _finish(geometry: GemmGeometry, out, lhs, rhs):
-  out_dtype = geometry.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype)
-  if geometry.reduce_axes:
-    out = lax.psum(out.astype(reduction_dtype(geometry, lhs.dtype, rhs.dtype)),
-                   geometry.reduce_axes)
-  return out.astype(out_dtype)
 
 
 def build_meshslice(geometry: GemmGeometry, ksplit: int):
@@ -127,13 +90,13 @@ def _output_stationary(g: GemmGeometry, ksplit, block, lhs, rhs):
     if not last:
       x_next, w_next = gather(s + 1)
     # the partial sum accumulates in the dot's f32 output (XLA fuses the add into it)
-    part = _local_dot(g, x_cur, w_cur, acc_dtype)
+    part = local_dot(g, x_cur, w_cur, acc_dtype)
     acc = part if acc is None else acc + part
     if not last:
       x_rest, w_rest, x_cur, w_cur, acc = pipeline_barrier(
           (xs[s + 2:], ws[s + 2:], x_next, w_next, acc))
       xs, ws = xs[:s + 2] + x_rest, ws[:s + 2] + w_rest
-  return _finish(g, acc, lhs, rhs)
+  return finish(g, acc, lhs, rhs)
 
 
 def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_lhs):
@@ -141,22 +104,19 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   partials scatter over row) are the same loop with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim, gather_axis, scatter_axis = lhs, g.lhs_dim, g.col_axis, g.row_axis
-  else:
-    moving, move_dim, gather_axis, scatter_axis = rhs, g.rhs_dim, g.row_axis, g.col_axis
+  roles = g.stationary_roles(moving_is_lhs)
 
   def gather(m, s):
-    return lax.all_gather(m[s], gather_axis, axis=move_dim, tiled=True)
+    return lax.all_gather(m[s], roles.gather_axis, axis=roles.dim, tiled=True)
 
   def multiply(m_slice):
-    a, b = (m_slice, rhs) if moving_is_lhs else (lhs, m_slice)
-    return _local_dot(g, a, b, acc_dtype).astype(wire_dtype)
+    return local_dot(g, *roles.operands(m_slice, lhs, rhs), acc_dtype).astype(wire_dtype)
 
   def scatter(partial):
-    return lax.psum_scatter(partial, scatter_axis, scatter_dimension=g.out_dim, tiled=True)
+    return lax.psum_scatter(partial, roles.scatter_axis, scatter_dimension=g.out_dim,
+                            tiled=True)
 
-  m = take_slices(moving, move_dim, ksplit, block)     # all at once, as in OS
+  m = take_slices(roles.moving(lhs, rhs), roles.dim, ksplit, block)  # all at once, as in OS
   m_cur = gather(m, 0)
   pieces, pending = [], None
   for s in range(ksplit):
@@ -179,4 +139,4 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
     pending = part
   pieces.append(scatter(pending))
   out = assemble_slices(pieces, g.out_dim, block)
-  return _finish(g, out, lhs, rhs)
+  return finish(g, out, lhs, rhs)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._jax_compat import varying_axes
+
 # No mesh axis is this long: `axis_index < _NEVER_REACHED` holds on every device.
 _NEVER_REACHED = 2 ** 30
 
@@ -42,7 +44,7 @@ def in_own_computation(body):
   """
   def run(lhs, rhs):
     out = jax.eval_shape(body, lhs, rhs)
-    varying = tuple(sorted(out.manual_axis_type.varying))
+    varying = varying_axes(out)
     if not varying:
       return body(lhs, rhs)
 

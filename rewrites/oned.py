@@ -1,6 +1,6 @@
 """1D sites: a matmul sharded over one mesh axis, as a sliced or ring collective matmul.
 
-The one-axis special case of the 2D machinery (DESIGN.md section 4), for the two
+The one-axis special case of the 2D machinery (docs/design.md, "1D sites"), for the two
 patterns of 1D tensor / sequence parallelism (layouts in `OneDGeometry`):
 
   all_gather:     Y = all_gather(X, a, M) . W        the gathered operand moves
@@ -28,10 +28,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype, result_dtype
 from .geometry import OneDGeometry, extent_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
+from .rings import ring_all_gather, ring_reduce_scatter
 from .slicing import assemble_slices, pipeline_barrier, take_slice
-from .wang import ring_all_gather, ring_reduce_scatter
 
 
 def output_dims(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
@@ -149,7 +149,7 @@ def build_oned_ring(geometry: OneDGeometry, ksplit: int = 1, bidirectional: bool
 def _multiply(g, which, piece, lhs, rhs, dtype):
   """The local product with `piece` standing in for operand `which`."""
   a, b = (piece, rhs) if which == "lhs" else (lhs, piece)
-  return _local_dot(g, a, b, dtype)
+  return local_dot(g, a, b, dtype)
 
 
 def _sliced_gather(g: OneDGeometry, ksplit, block, lhs, rhs):
@@ -172,21 +172,21 @@ def _sliced_gather(g: OneDGeometry, ksplit, block, lhs, rhs):
       # Slice s+2 is cut from the barrier's output: its gather cannot be combined.
       m, cur, part = pipeline_barrier((m, nxt, part))
     parts.append(part)
-  return _finish(g, assemble_slices(parts, g.out_dim, block), lhs, rhs)
+  return finish(g, assemble_slices(parts, g.out_dim, block), lhs, rhs)
 
 
 def _sliced_scatter(g: OneDGeometry, ksplit, block, lhs, rhs):
   scatter = lambda partial: lax.psum_scatter(partial, g.axis, scatter_dimension=g.out_dim,
                                              tiled=True)
-  return _finish(g, _pipelined_reduction(g, ksplit, block, lhs, rhs, scatter), lhs, rhs)
+  return finish(g, _pipelined_reduction(g, ksplit, block, lhs, rhs, scatter), lhs, rhs)
 
 
 def _sliced_all_reduce(g: OneDGeometry, ksplit, block, lhs, rhs):
   """Cut the output's free dim out_dim into slices (through the operand that supplies it);
   the psum of slice s runs beside the matmul of slice s+1. Every slice is summed over all
-  the axes splitting the contraction at once, so nothing is left for `_finish` to sum."""
+  the axes splitting the contraction at once, so nothing is left for `finish` to sum."""
   axes = (g.axis,) + tuple(g.reduce_axes)
-  out_dtype = jnp.dtype(g.out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+  out_dtype = result_dtype(g, lhs.dtype, rhs.dtype)
   return _pipelined_reduction(g, ksplit, block, lhs, rhs,
                               lambda part: lax.psum(part, axes)).astype(out_dtype)
 
@@ -233,7 +233,7 @@ def _ring_gather(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
 
   moving = lhs if which == "lhs" else rhs
   out = ring_all_gather(moving, dim, g.axis, g.axis_size, ksplit, bidirectional, consume)
-  return _finish(g, out, lhs, rhs)
+  return finish(g, out, lhs, rhs)
 
 
 def _ring_scatter(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
@@ -248,4 +248,4 @@ def _ring_scatter(g: OneDGeometry, ksplit, bidirectional, lhs, rhs):
 
   out = ring_reduce_scatter(produce, g.axis, g.axis_size, g.global_extent // g.axis_size,
                             g.out_dim, ksplit, bidirectional, wire_dtype)
-  return _finish(g, out, lhs, rhs)
+  return finish(g, out, lhs, rhs)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax
 
+from ._jax_compat import abstract_device
+
 
 def target_platform(mesh=None) -> str:
   """"cpu", "tpu", "gpu", ...: the platform `mesh` (default: the mesh of the
@@ -24,5 +26,5 @@ def target_platform(mesh=None) -> str:
   try:
     return mesh.devices.flat[0].platform
   except (ValueError, AttributeError):      # an AbstractMesh has no devices
-    device = getattr(mesh, "abstract_device", None)
+    device = abstract_device(mesh)
     return getattr(device, "platform", None) or jax.default_backend()

@@ -3,7 +3,7 @@
 A local extent L along `axis` is viewed as (L / (S*B), S, B): slice s is index s on the
 middle axis. When the global extent is cut into blocks of B and S*B*lcm(R, C) divides it,
 gathering slice s over any mesh axis yields exactly the global blocks whose index is
-congruent to s modulo S, in global order (DESIGN.md section 4). That is what lets two
+congruent to s modulo S, in global order (docs/design.md, "Slicing"). That is what lets two
 operands sharded over different axes (R != C) deliver matching pieces of K.
 """
 from __future__ import annotations

@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 from .geometry import GemmGeometry, extent_reason, ksplit_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
 
 
 def unsupported(geometry: GemmGeometry, ksplit: int = 1) -> str:
@@ -83,7 +83,7 @@ def _zeros_of_product(g: GemmGeometry, a, b, dtype):
   if lc:
     a = lax.slice_in_dim(a, 0, 0, axis=lc[0])
     b = lax.slice_in_dim(b, 0, 0, axis=rc[0])
-  return jnp.zeros_like(_local_dot(g, a, b, dtype))
+  return jnp.zeros_like(local_dot(g, a, b, dtype))
 
 
 def _pipeline(panels, first, fetch, compute, state):
@@ -110,11 +110,11 @@ def _os(g: GemmGeometry, panels, lhs, rhs):
             bcast(rhs, g.rhs_dim, g.row_axis, g.row_size, q, panels))
 
   def compute(q, cur, acc):
-    return acc + _local_dot(g, *cur, acc_dtype)
+    return acc + local_dot(g, *cur, acc_dtype)
 
   first = fetch(0)
   acc = _zeros_of_product(g, *first, acc_dtype)
-  return _finish(g, _pipeline(panels, first, fetch, compute, acc), lhs, rhs)
+  return finish(g, _pipeline(panels, first, fetch, compute, acc), lhs, rhs)
 
 
 def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
@@ -122,29 +122,24 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
   reduced over row): the same loop with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim = lhs, g.lhs_dim
-    gather_axis, gather_n, scatter_axis, scatter_n = g.col_axis, g.col_size, g.row_axis, g.row_size
-  else:
-    moving, move_dim = rhs, g.rhs_dim
-    gather_axis, gather_n, scatter_axis, scatter_n = g.row_axis, g.row_size, g.col_axis, g.col_size
-  me = lax.axis_index(scatter_axis)
+  roles = g.stationary_roles(moving_is_lhs)
+  moving = roles.moving(lhs, rhs)
+  me = lax.axis_index(roles.scatter_axis)
 
   def keep(q, partial, out):
     """Reduce panel q's partial sums over the scatter axis; its owner keeps the total."""
-    total = lax.psum(partial, scatter_axis)
-    owner, slot = _owner(q, panels, scatter_n)
+    total = lax.psum(partial, roles.scatter_axis)
+    owner, slot = _owner(q, panels, roles.scatter_size)
     size = total.shape[g.out_dim]
     old = lax.dynamic_slice_in_dim(out, slot * size, size, axis=g.out_dim)
     new = jnp.where(me == owner, total, old)
     return lax.dynamic_update_slice_in_dim(out, new, slot * size, axis=g.out_dim)
 
   def fetch(q):
-    return bcast(moving, move_dim, gather_axis, gather_n, q, panels)
+    return bcast(moving, roles.dim, roles.gather_axis, roles.gather_size, q, panels)
 
   def multiply(cur):
-    a, b = (cur, rhs) if moving_is_lhs else (lhs, cur)
-    return _local_dot(g, a, b, acc_dtype).astype(wire_dtype)
+    return local_dot(g, *roles.operands(cur, lhs, rhs), acc_dtype).astype(wire_dtype)
 
   def compute(q, cur, state):
     pending, out = state
@@ -156,10 +151,9 @@ def _stationary(g: GemmGeometry, panels, lhs, rhs, *, moving_is_lhs):
     return multiply(cur), out
 
   first = fetch(0)
-  a, b = (first, rhs) if moving_is_lhs else (lhs, first)
-  part = _zeros_of_product(g, a, b, wire_dtype)
+  part = _zeros_of_product(g, *roles.operands(first, lhs, rhs), wire_dtype)
   shape = list(part.shape)
-  shape[g.out_dim] *= panels // scatter_n
+  shape[g.out_dim] *= panels // roles.scatter_size
   state = (part, jnp.zeros_like(part, shape=shape))
   pending, out = _pipeline(panels, first, fetch, compute, state)
-  return _finish(g, keep(panels - 1, pending, out), lhs, rhs)
+  return finish(g, keep(panels - 1, pending, out), lhs, rhs)

@@ -7,96 +7,20 @@ reduce-scatter ring). The other axis keeps its plain all_gather / psum_scatter.
 Bidirectional: each ring block is cut in halves that travel opposite ways, so each step
 uses both links of a ring and moves half the bytes per link.
 
-The two ring engines (`ring_all_gather`, `ring_reduce_scatter`) are shared with the 1D
-collective matmuls in `oned.py`.
+The ring engines themselves (`ring_all_gather`, `ring_reduce_scatter`) live in `rings.py`,
+shared with Cannon's shifts and the 1D collective matmuls in `oned.py`.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
+from ._local import accumulation_dtype, finish, local_dot, reduction_dtype
 from .geometry import GemmGeometry, extent_reason
-from .meshslice import _finish, _local_dot, accumulation_dtype, reduction_dtype
-from .slicing import pipeline_barrier
+from .rings import ring_all_gather, ring_reduce_scatter
+from .rings import shift as shift  # re-exported: the ring engines were defined here
 
 RINGS = ("row", "col")
-
-
-def shift(x, axis: str, n: int, step: int):
-  """Send `x` to the device `step` places further along mesh axis `axis` (size n)."""
-  return lax.ppermute(x, axis, [(k, (k + step) % n) for k in range(n)])
-
-
-def _groups(ksplit: int, bidirectional: bool):
-  """Chunks of one ring block as pipeline stages of (chunk index, direction of travel).
-
-  A bidirectional stage sends one chunk each way at once (both links busy)."""
-  if bidirectional:
-    return [((c, +1), (ksplit + c, -1)) for c in range(ksplit)]
-  return [((c, +1),) for c in range(ksplit)]
-
-
-def ring_all_gather(moving, dim: int, axis: str, n: int, ksplit: int, bidirectional: bool,
-                    consume, carry=None):
-  """Feed each block of all_gather(moving, axis, dim) to `consume` as it arrives.
-
-    chunks = split(moving, ksplit (x2 if bidirectional), dim)
-    for t in 0..n-1:  for each chunk c (travelling d = +-1):
-      send c on to the device d further (t < n-1)  |  carry = consume(carry, c, start)
-  where `start` (traced) is where the chunk sits in the gathered dim (block me - d*t).
-  """
-  groups = _groups(ksplit, bidirectional)
-  parts = sum(len(g) for g in groups)
-  extent = moving.shape[dim]
-  size = extent // parts
-  chunks = ([moving] if parts == 1 else
-            [lax.slice_in_dim(moving, c * size, (c + 1) * size, axis=dim) for c in range(parts)])
-  me = lax.axis_index(axis)
-  for t in range(n):
-    last = t + 1 == n
-    for group in groups:
-      sent = {} if last else {c: shift(chunks[c], axis, n, d) for c, d in group}
-      for c, d in group:
-        start = ((me - d * t) % n) * extent + c * size
-        carry = consume(carry, chunks[c], start)
-      if not last:
-        chunks = [sent.get(c, x) for c, x in enumerate(chunks)]
-        # Later stages' sends start from the barrier's output: no collective combining.
-        chunks, carry = pipeline_barrier((chunks, carry))
-  return carry
-
-
-def ring_reduce_scatter(produce, axis: str, n: int, extent: int, out_dim: int, ksplit: int,
-                        bidirectional: bool, wire_dtype):
-  """psum_scatter over `axis` along `out_dim` of a partial result made block by block.
-
-    for t in 0..n-1:  for each chunk c (travelling d = +-1) of output block b = me - d*(1+t):
-      acc_c = received_c + produce(start of (b, c), chunk size)
-      send acc_c on to the device d further (t < n-1), beside the next stage's produce
-  so after n steps each device holds the full sum of its own block (b = me).
-  `extent` is the local (scattered) extent of out_dim; partial sums travel as wire_dtype.
-  """
-  groups = _groups(ksplit, bidirectional)
-  parts = sum(len(g) for g in groups)
-  size = extent // parts
-  me = lax.axis_index(axis)
-  accs = [None] * parts
-  pending = []       # (chunk, direction, partial sum) to send during the next stage
-  for t in range(n):
-    for group in groups:
-      sent = [(c, shift(v, axis, n, d)) for c, d, v in pending]
-      made = [produce(((me - d * (1 + t)) % n) * extent + c * size, size) for c, d in group]
-      received, made = pipeline_barrier(([v for _, v in sent], made))
-      for (c, _), v in zip(sent, received):
-        accs[c] = v
-      pending = []
-      for (c, d), part in zip(group, made):
-        total = part if t == 0 else accs[c].astype(part.dtype) + part
-        if t + 1 < n:
-          pending.append((c, d, total.astype(wire_dtype)))
-        else:
-          accs[c] = total
-  return accs[0] if parts == 1 else jnp.concatenate(accs, axis=out_dim)
 
 
 def ring_axis(geometry: GemmGeometry, ring: str | None) -> str:
@@ -176,11 +100,11 @@ def _os(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs):
   def consume(acc, piece, start):
     matching = lax.dynamic_slice_in_dim(other, start, piece.shape[ring_dim], axis=other_dim)
     a, b = (piece, matching) if ring_is_lhs else (matching, piece)
-    part = _local_dot(g, a, b, acc_dtype)
+    part = local_dot(g, a, b, acc_dtype)
     return part if acc is None else acc + part
 
   acc = ring_all_gather(ring, ring_dim, ring_axis, ring_size, ksplit, bidirectional, consume)
-  return _finish(g, acc, lhs, rhs)
+  return finish(g, acc, lhs, rhs)
 
 
 def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, moving_is_lhs):
@@ -188,20 +112,13 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
   col, partials scattered over row): the same code with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
-  if moving_is_lhs:
-    moving, move_dim = lhs, g.lhs_dim
-    gather = ("col", g.col_axis, g.col_size)
-    scatter = ("row", g.row_axis, g.row_size)
-  else:
-    moving, move_dim = rhs, g.rhs_dim
-    gather = ("row", g.row_axis, g.row_size)
-    scatter = ("col", g.col_axis, g.col_size)
+  roles = g.stationary_roles(moving_is_lhs)
+  moving, move_dim = roles.moving(lhs, rhs), roles.dim
 
   def multiply(piece):
-    a, b = (piece, rhs) if moving_is_lhs else (lhs, piece)
-    return _local_dot(g, a, b, acc_dtype)
+    return local_dot(g, *roles.operands(piece, lhs, rhs), acc_dtype)
 
-  if which == gather[0]:   # all-gather ring, then the plain reduce-scatter
+  if which == roles.gather_link:   # all-gather ring, then the plain reduce-scatter
     def consume(buf, piece, start):
       part = multiply(piece).astype(wire_dtype)
       if buf is None:
@@ -211,15 +128,16 @@ def _stationary(g: GemmGeometry, ksplit, bidirectional, which, lhs, rhs, *, movi
         buf = jnp.zeros_like(part, shape=shape)
       return lax.dynamic_update_slice_in_dim(buf, part, start, axis=g.out_dim)
 
-    buf = ring_all_gather(moving, move_dim, gather[1], gather[2], ksplit, bidirectional,
-                          consume)
-    out = lax.psum_scatter(buf, scatter[1], scatter_dimension=g.out_dim, tiled=True)
-  else:                    # the plain all-gather, then a reduce-scatter ring
-    full = lax.all_gather(moving, gather[1], axis=move_dim, tiled=True)
+    buf = ring_all_gather(moving, move_dim, roles.gather_axis, roles.gather_size, ksplit,
+                          bidirectional, consume)
+    out = lax.psum_scatter(buf, roles.scatter_axis, scatter_dimension=g.out_dim, tiled=True)
+  else:                            # the plain all-gather, then a reduce-scatter ring
+    full = lax.all_gather(moving, roles.gather_axis, axis=move_dim, tiled=True)
 
     def produce(start, size):
       return multiply(lax.dynamic_slice_in_dim(full, start, size, axis=move_dim))
 
-    out = ring_reduce_scatter(produce, scatter[1], scatter[2], g.global_extent // scatter[2],
-                              g.out_dim, ksplit, bidirectional, wire_dtype)
-  return _finish(g, out, lhs, rhs)
+    out = ring_reduce_scatter(produce, roles.scatter_axis, roles.scatter_size,
+                              g.global_extent // roles.scatter_size, g.out_dim, ksplit,
+                              bidirectional, wire_dtype)
+  return finish(g, out, lhs, rhs)
