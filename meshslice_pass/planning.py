@@ -33,6 +33,7 @@ from . import backend_flags
 from . import costing
 from . import matching
 from . import specs as S
+from ._jax_internals import eqn_name_stack, is_literal, sub_jaxprs
 from .provenance import module_path, name_stack, source_location
 
 
@@ -115,10 +116,10 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
   consumers = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
-      if not hasattr(v, "val"):
+      if not is_literal(v):
         consumers.setdefault(v, []).append(eqn)
   for v in jaxpr.outvars:
-    if not hasattr(v, "val"):
+    if not is_literal(v):
       consumers.setdefault(v, []).append(None)
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
@@ -128,11 +129,11 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
                         transposed_by, param)
       sites.append(_with_layout_hint(site, jaxpr, eqn, analysis))
       continue
-    for (param, branch), sub in A.sub_jaxprs(eqn):
+    for (param, branch), sub in sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
-                        eqn.source_info.name_stack)], sites)
+                        eqn_name_stack(eqn))], sites)
 
 
 def _with_layout_hint(site, jaxpr, eqn, analysis):
@@ -154,7 +155,7 @@ def _with_layout_hint(site, jaxpr, eqn, analysis):
 def _spec_of(analysis, v):
   if analysis is None:
     return None
-  if hasattr(v, "val"):
+  if is_literal(v):
     return S.replicated(len(getattr(v.aval, "shape", ())))
   return analysis.specs.get(v)
 
