@@ -52,6 +52,7 @@ import numpy as np
 
 from ._jax_internals import jit_params
 from ._jax_internals import scan_counts as scan_counts   # re-exported: tests read it here
+from .errors import MeshsliceError
 from .nnx_jit import is_nnx_jit
 from .reference import NoReference, evaluate, shorten
 from .transform import Transformed, transform
@@ -561,7 +562,9 @@ def _outputs_agree(fn, options, report, disabled, fresh, judge) -> bool:
   base = {k: v for k, v in options.items() if k not in ("overrides", "plan")}
   try:
     out = transform(fn, **base, plan=plan)(*fresh.args(), **fresh.kwargs())
-  except ValueError:      # the plan cannot be re-applied: pin by index on top instead
+  except MeshsliceError:
+    # the plan cannot be re-applied: pin by index on top instead (only the pass's own
+    # errors say that; one raised by JAX or by the step itself propagates)
     overrides = dict(options.get("overrides") or {})
     for i in disabled:
       overrides[i] = {"rewrite": False}

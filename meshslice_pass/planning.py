@@ -33,6 +33,7 @@ from . import backend_flags
 from . import costing
 from . import matching
 from . import specs as S
+from .errors import PinError
 from ._jax_internals import eqn_name_stack, is_literal, sub_jaxprs
 from .provenance import module_path, name_stack, source_location
 
@@ -191,10 +192,10 @@ def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None, par
   try:
     swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by,
                              param=param)
-  except ValueError as error:
+  except PinError as error:
     try:
       site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
-    except ValueError:
+    except PinError:
       raise error from None
     if site.rewritten:
       return site
@@ -303,7 +304,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   if not options:
     if not site.rewritten and pinned in (None, site.dataflow):
       return site     # no plan fits HBM, in any dataflow
-    raise ValueError(
+    raise PinError(
         f"{_pinned_by(request, 'dataflow')}dataflow={pinned!r} cannot serve site #{index} "
         f"({base['source']}): its operand "
         f"layouts allow {', '.join(sorted({m.dataflow for m in found.matches}))}, and no reshard "
@@ -449,8 +450,8 @@ def _choose_algorithm(geometry, request, site):
   if not why_not:
     return algorithm, ""
   if request.strict:
-    raise ValueError(f"{_pinned_by(request, 'algorithm')}algorithm={algorithm!r} cannot "
-                     f"serve {site.label}: {why_not}")
+    raise PinError(f"{_pinned_by(request, 'algorithm')}algorithm={algorithm!r} cannot "
+                   f"serve {site.label}: {why_not}")
   return None, f"{why_not}; chose among {', '.join(costing.AUTO_ALGORITHMS)}"
 
 
@@ -472,7 +473,7 @@ def _requested_ksplit(algorithm, geometry: GemmGeometry, request, site: Site):
   valid = [k for k in range(1, geometry.global_extent + 1)
            if geometry.global_extent % k == 0 and not _fits(algorithm, geometry, k)]
   if request.strict:
-    raise ValueError(
+    raise PinError(
         f"{_pinned_by(request, 'ksplit')}ksplit={wanted} does not fit {site.label}, a "
         f"{site.dataflow} matmul over "
         f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "

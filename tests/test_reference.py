@@ -1,5 +1,8 @@
 """The unsharded reference evaluator (`meshslice.reference`) on the higher-order primitives
-of `_jax_internals.HIGHER_ORDER`, and that table itself."""
+of `_jax_internals.HIGHER_ORDER`, that table itself, and the typed errors
+(`meshslice.errors`) that `check` and planning catch instead of any ValueError."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,10 +10,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import meshslice
 from meshslice import _jax_internals as internals
-from meshslice import reference
+from meshslice import emit, errors, reference
 
 from helpers import mesh
+
+check_module = importlib.import_module("meshslice.check")   # the function shadows it
 
 
 def _only(closed, name):
@@ -125,3 +131,78 @@ def test_the_pass_looks_into_the_same_primitives_as_before():
   assert looked_into == {"jit", "remat2", "checkpoint", "custom_jvp_call",
                          "custom_vjp_call", "scan", "while", "cond"}
   assert internals.HIGHER_ORDER["shard_map"].traversed is False
+
+
+# ------------------------------------------------------------------ typed errors
+
+def test_the_errors_are_value_errors_with_the_same_messages():
+  assert issubclass(errors.PinError, errors.MeshsliceError)
+  assert issubclass(errors.PlanError, errors.MeshsliceError)
+  assert issubclass(errors.MeshsliceError, ValueError)
+  with pytest.raises(errors.PlanError, match='^plan: expected a JSON object with "version": 1$'):
+    meshslice.Plan.from_json("[]")
+  with pytest.raises(errors.PinError, match="^ksplit must be a positive int"):
+    meshslice.transform(lambda a: a, ksplit=0)
+  with pytest.raises(ValueError, match="^overrides\\[0\\] has unknown key 'slices'"):
+    meshslice.transform(lambda a: a, overrides={0: {"slices": 2}})
+
+
+def _mlp(m):
+  xs, ws = NamedSharding(m, P("x", "y")), NamedSharding(m, P("x", "y"))
+  armed = []
+
+  def loss(params, x):
+    if armed:       # a JAX ValueError raised inside the user's step, once
+      armed.clear()
+      jnp.split(x, 3)
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ params["w1"]), xs)
+    return jnp.sum(jnp.sin(h @ params["w2"]))
+
+  step = jax.jit(jax.value_and_grad(loss), in_shardings=({"w1": ws, "w2": ws}, xs))
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  params = {"w1": jax.device_put(jax.random.normal(k1, (32, 32)) / 6, ws),
+            "w2": jax.device_put(jax.random.normal(k2, (32, 32)) / 6, ws)}
+  return step, (params, jax.device_put(jax.random.normal(k3, (16, 32)), xs)), armed
+
+
+def _wrong_ls_sites(monkeypatch):
+  real = emit.build_body
+  monkeypatch.setattr(emit, "build_body", lambda alg, geo, ks, **kw: (
+      (lambda f: (lambda a, b: f(a, b) * 1.5))(real(alg, geo, ks, **kw))
+      if getattr(geo, "dataflow", None) == "ls" else real(alg, geo, ks, **kw)))
+
+
+def test_bisection_lets_a_value_error_from_the_step_through(monkeypatch):
+  """While bisecting, only the pass's own errors mean "the plan cannot be re-applied":
+  a ValueError JAX raises inside the step is not swallowed (and retried)."""
+  step, args, armed = _mlp(mesh((2, 4)))
+  _wrong_ls_sites(monkeypatch)
+  real = check_module.transform
+
+  def arming(fn, **options):
+    if "plan" in options:      # the first re-transform of the bisection
+      armed.append(True)
+      jax.clear_caches()       # so that it traces the step again (else JAX's cache hits)
+    return real(fn, **options)
+
+  monkeypatch.setattr(check_module, "transform", arming)
+  with pytest.raises(ValueError, match="array split does not result in an equal division"):
+    meshslice.check(step, algorithm="collective")(*args)
+
+
+def test_bisection_falls_back_to_overrides_when_the_plan_cannot_be_applied(monkeypatch):
+  step, args, _ = _mlp(mesh((2, 4)))
+  ls = [s.index for s in meshslice.explain(step, algorithm="collective")(*args).rewritten
+        if s.dataflow == "ls"]
+  _wrong_ls_sites(monkeypatch)
+  real = check_module.transform
+
+  def plan_refused(fn, **options):
+    if "plan" in options:
+      raise errors.PlanError("stand-in: the plan does not apply")
+    return real(fn, **options)
+
+  monkeypatch.setattr(check_module, "transform", plan_refused)
+  result = meshslice.check(step, algorithm="collective")(*args)
+  assert not result.ok
+  assert result.culprit is not None and result.culprit.index in ls, str(result)
