@@ -10,8 +10,16 @@ behaviour on all of them (each is labelled "compat shim" and names the jax it is
 PartitionSpec prints `unreduced_kind`), `scan_counts` / `scan_params_with_consts` (jax
 0.11's scan describes its operands with flat trees). tests/test_jax_versions.py checks
 them and that no other module imports `jax._src`.
+
+The structure of equations is read here too, so that the pass's three interpreters
+(analysis, emission, the unsharded reference) never spell it out: `HIGHER_ORDER`, the
+one table of the higher-order primitives and where their sub-jaxprs are, with
+`sub_jaxprs`, `scan_counts` and `while_counts`; `bind`, `eqn_context`, `eqn_name_stack`
+and `is_literal`.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax as _jax
 
@@ -28,10 +36,7 @@ try:
   # own consts; `Jaxpr(jaxpr, consts)` is the legacy ClosedJaxpr constructor and
   # `.jaxpr` / `.consts` still read as before. jax <= 0.11 keeps the two classes.
   ClosedJaxpr = getattr(_core, "ClosedJaxpr", None) or _core.Jaxpr
-  Jaxpr = _core.Jaxpr
   Literal = _core.Literal
-  Var = _core.Var
-  DropVar = _core.DropVar
 except (ImportError, AttributeError) as _e:    # a jax outside the supported range
   raise ImportError(
       f"meshslice supports jax 0.10.2 through 0.12.x; this jax ({_jax.__version__}) lacks "
@@ -109,8 +114,35 @@ def hoist_consts(closed: ClosedJaxpr):
 def rebind_context(eqn):
   """Context that re-binds `eqn` with its user traceback and name stack (so the emitted
   program keeps file:line and the jvp/transpose markers telling forward from backward)."""
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  name_stack = source_info_util.current_name_stack() + eqn_name_stack(eqn)
   return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def eqn_context(eqn):
+  """Context that restores the JAX state `eqn` was traced under (its compute type and
+  thread resources, e.g. a `compute_on` region), for binding it again."""
+  return eqn.ctx.manager
+
+
+def eqn_name_stack(eqn):
+  """The JAX name stack `eqn` was traced under (module scopes, jvp/transpose markers):
+  JAX's own object, for `scope_names` and for extending a name stack."""
+  return eqn.source_info.name_stack
+
+
+def is_literal(v) -> bool:
+  """Whether `v`, an operand of an equation, is a literal (its value is `v.val`) rather
+  than a variable."""
+  return isinstance(v, Literal)
+
+
+def bind(eqn, invals, params=None) -> list:
+  """Bind `eqn`'s primitive on `invals` with `params` (its own when None): its outputs,
+  as a list. As `jax.core.eval_jaxpr` does, the params are first turned into what `bind`
+  takes (a call primitive's sub-jaxpr becomes a function, e.g. custom_vjp_call's)."""
+  prim = eqn.primitive
+  outs = prim.bind(*invals, **prim.get_bind_params(eqn.params if params is None else params))
+  return outs if prim.multiple_results else [outs]
 
 
 def raw_frames(traceback):
@@ -269,3 +301,105 @@ def scan_params_with_consts(params, extra: int, jaxpr: ClosedJaxpr) -> dict:
   consts, carry, xs = params["ft_in"].unpack()
   new["ft_in"] = flattree.pack((flattree.nones(len(consts) + extra), carry, xs))
   return new
+
+
+# -- while's operands (the same on every supported jax)
+
+def while_counts(params) -> tuple[int, int]:
+  """(number of cond consts, number of body consts) of a while equation's operands,
+  which come in that order, before the carries."""
+  return params["cond_nconsts"], params["body_nconsts"]
+
+
+def while_params_with_consts(params, cond_extra: int, cond_jaxpr: ClosedJaxpr,
+                             body_extra: int, body_jaxpr: ClosedJaxpr) -> dict:
+  """While params for `cond_jaxpr` and `body_jaxpr`, whose first `cond_extra` /
+  `body_extra` invars are new leading consts (of the cond and of the body)."""
+  cond_consts, body_consts = while_counts(params)
+  return dict(params, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
+              cond_nconsts=cond_consts + cond_extra, body_nconsts=body_consts + body_extra)
+
+
+# ---------------------------------------------------------------- higher-order primitives
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HigherOrder:
+  """Where a higher-order primitive keeps its sub-jaxprs, and how its operands reach them.
+
+  `kind` says how operands and results map onto the bodies:
+    "call": the operands are the body's inputs and its outputs the results;
+    "scan": consts, carries and stacked xs (`scan_counts`) are the body's inputs, its
+      outputs the carries and one slice of each stacked y;
+    "while": cond consts, body consts (`while_counts`), then the carries, which are the
+      body's outputs and the results; the cond reads its consts and the carries;
+    "cond": operand 0 picks the branch, the others are every branch's inputs;
+    "shard_map": a per-device body with manual collectives.
+  `bodies` are the params holding the sub-jaxprs ("branches" holds a tuple of them);
+  `closed` says whether they are ClosedJaxprs, which carry their own consts (else an
+  open Jaxpr, e.g. remat's). With `traversed`, the pass analyses, plans and rewrites the
+  matmuls inside; without, it treats the equation as opaque, and only the unsharded
+  reference evaluator looks in.
+  """
+  kind: str
+  bodies: tuple
+  closed: bool = True
+  traversed: bool = True
+
+
+_JIT = HigherOrder(kind="call", bodies=("jaxpr",))
+_REMAT = HigherOrder(kind="call", bodies=("jaxpr",), closed=False)
+_CUSTOM = HigherOrder(kind="call", bodies=("call_jaxpr",))
+
+#: The higher-order primitives, by name: the one list of them the pass reads.
+HIGHER_ORDER = {
+    "jit": _JIT,
+    "remat2": _REMAT,
+    "custom_jvp_call": _CUSTOM, "custom_vjp_call": _CUSTOM,
+    "scan": HigherOrder(kind="scan", bodies=("jaxpr",)),
+    "while": HigherOrder(kind="while", bodies=("body_jaxpr", "cond_jaxpr")),
+    "cond": HigherOrder(kind="cond", bodies=("branches",)),
+    # the pass leaves these as they are (a shard_map is partitioned by hand already)
+    "shard_map": HigherOrder(kind="shard_map", bodies=("jaxpr",), closed=False,
+                             traversed=False),
+    "closed_call": HigherOrder(kind="call", bodies=("call_jaxpr",), traversed=False),
+    # names from older jax releases (jit was "pjit", remat2 "checkpoint"); no supported
+    # jax emits them
+    "checkpoint": _REMAT,
+    "pjit": HigherOrder(kind="call", bodies=("jaxpr",), traversed=False),
+    "core_call": HigherOrder(kind="call", bodies=("call_jaxpr",), closed=False,
+                             traversed=False),
+}
+
+
+def higher_order(eqn) -> HigherOrder | None:
+  """`HIGHER_ORDER`'s entry for `eqn`'s primitive (None: a first-order primitive)."""
+  return HIGHER_ORDER.get(eqn.primitive.name)
+
+
+def traversed_names(kind: str) -> tuple:
+  """The names of the primitives of `kind` whose bodies the pass looks into."""
+  return tuple(name for name, h in HIGHER_ORDER.items() if h.kind == kind and h.traversed)
+
+
+def open_jaxpr(sub):
+  """The Jaxpr of a sub-jaxpr param, closed or open."""
+  return sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+
+
+def consts_of(sub) -> tuple:
+  """The consts a sub-jaxpr param closes over (none for an open Jaxpr)."""
+  return tuple(sub.consts) if isinstance(sub, ClosedJaxpr) else ()
+
+
+def sub_jaxprs(eqn) -> list:
+  """((param, branch index), Jaxpr) of each sub-jaxpr the pass looks into (`traversed`),
+  in `HIGHER_ORDER`'s order: the keys that `Site.path` and the analyses' children use."""
+  h = higher_order(eqn)
+  if h is None or not h.traversed:
+    return []
+  found = []
+  for param in h.bodies:
+    sub = eqn.params[param]
+    subs = sub if isinstance(sub, (tuple, list)) else (sub,)     # cond's branches
+    found += [((param, b), open_jaxpr(s)) for b, s in enumerate(subs)]
+  return found

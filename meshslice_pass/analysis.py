@@ -25,7 +25,9 @@ from jax.sharding import AxisType, NamedSharding
 from . import matching
 from . import specs as S
 from .validation import layout_reason
-from ._jax_internals import ClosedJaxpr, Literal, scan_counts
+from ._jax_internals import (ClosedJaxpr, Literal, consts_of, higher_order, open_jaxpr,
+                             scan_counts, traversed_names, while_counts)
+from ._jax_internals import sub_jaxprs as sub_jaxprs   # re-exported: callers read it here
 
 _RULES = {}
 _MAX_SWEEPS = 6
@@ -99,17 +101,13 @@ def _const_specs(jaxpr, consts, ctx):
   return [_value_spec(c, len(_shape(v)), ctx) for v, c in zip(jaxpr.constvars, consts)]
 
 
-def _consts_of(sub):
-  return tuple(sub.consts) if isinstance(sub, ClosedJaxpr) else ()
-
-
 def analyze(closed: ClosedJaxpr, in_specs, out_specs, ctx: Context) -> JaxprAnalysis:
   """Analyse a closed jaxpr given (possibly None) specs for its inputs and outputs.
 
   The constants it closes over (`closed.consts`, e.g. a sharded weight the step reads
   from an enclosing scope) carry their own arrays' shardings."""
   return _analyze(closed.jaxpr, list(in_specs), list(out_specs), ctx, None,
-                  _const_specs(closed.jaxpr, _consts_of(closed), ctx))
+                  _const_specs(closed.jaxpr, consts_of(closed), ctx))
 
 
 def _analyze(jaxpr, in_specs, out_specs, ctx, previous, const_specs=None):
@@ -610,25 +608,21 @@ def _read(child, variables):
   return [child.specs.get(v) if not isinstance(v, Literal) else None for v in variables]
 
 
-def _call_like(param):
-  def call_rule(eqn, ins, outs, ctx, state, index):
-    sub = eqn.params[param]
-    jaxpr = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-    in_specs, out_specs = list(ins), list(outs)
-    if eqn.primitive.name == "jit":
-      in_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
-                  for s, sh, v in zip(in_specs, eqn.params["in_shardings"], eqn.invars)]
-      out_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
-                   for s, sh, v in zip(out_specs, eqn.params["out_shardings"], eqn.outvars)]
-    child = _child(state, (index, param, 0), jaxpr, in_specs, out_specs, ctx,
-                   _consts_of(sub))
-    return _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
-  return call_rule
-
-
-rule("jit")(_call_like("jaxpr"))
-rule("remat2", "checkpoint")(_call_like("jaxpr"))
-rule("custom_jvp_call", "custom_vjp_call")(_call_like("call_jaxpr"))
+@rule(*traversed_names("call"))
+def _call(eqn, ins, outs, ctx, state, index):
+  """A call's body takes its operands and gives its results; a jit's in/out shardings
+  fill in what neither says."""
+  param, = higher_order(eqn).bodies
+  sub = eqn.params[param]
+  jaxpr = open_jaxpr(sub)
+  in_specs, out_specs = list(ins), list(outs)
+  if eqn.primitive.name == "jit":
+    in_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
+                for s, sh, v in zip(in_specs, eqn.params["in_shardings"], eqn.invars)]
+    out_specs = [s if s is not None else S.from_sharding(sh, len(_shape(v)), ctx.axis_sizes)
+                 for s, sh, v in zip(out_specs, eqn.params["out_shardings"], eqn.outvars)]
+  child = _child(state, (index, param, 0), jaxpr, in_specs, out_specs, ctx, consts_of(sub))
+  return _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
 
 
 def _unstack(spec):
@@ -639,17 +633,17 @@ def _stack(spec):
   return None if spec is None else ((),) + tuple(spec)
 
 
-@rule("scan")
+@rule(*traversed_names("scan"))
 def _scan(eqn, ins, outs, ctx, state, index):
   p = eqn.params
   nc, ncarry = scan_counts(p)
-  jaxpr = p["jaxpr"].jaxpr
+  jaxpr = open_jaxpr(p["jaxpr"])
   consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
   carry_out, ys = outs[:ncarry], outs[ncarry:]
   carry = [a if a is not None else b for a, b in zip(init, carry_out)]
   child = _child(state, (index, "jaxpr", 0), jaxpr,
                  consts + carry + [_unstack(s) for s in xs],
-                 carry + [_unstack(s) for s in ys], ctx, _consts_of(p["jaxpr"]))
+                 carry + [_unstack(s) for s in ys], ctx, consts_of(p["jaxpr"]))
   body_in, body_out = _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
   b_consts, b_carry, b_xs = body_in[:nc], body_in[nc:nc + ncarry], body_in[nc + ncarry:]
   carry = [a if a is not None else b for a, b in zip(carry, b_carry)]
@@ -658,52 +652,35 @@ def _scan(eqn, ins, outs, ctx, state, index):
   return new_ins, new_outs
 
 
-@rule("while")
+@rule(*traversed_names("while"))
 def _while(eqn, ins, outs, ctx, state, index):
   p = eqn.params
-  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cn, bn = while_counts(p)
   cond_consts, body_consts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
   carry = [a if a is not None else b for a, b in zip(init, outs)]
-  body = p["body_jaxpr"].jaxpr
+  body = open_jaxpr(p["body_jaxpr"])
   child = _child(state, (index, "body_jaxpr", 0), body, body_consts + carry, carry, ctx,
-                 _consts_of(p["body_jaxpr"]))
+                 consts_of(p["body_jaxpr"]))
   b_in = _read(child, body.invars)
   carry = [a if a is not None else b for a, b in zip(carry, b_in[bn:])]
-  cond = p["cond_jaxpr"].jaxpr
+  cond = open_jaxpr(p["cond_jaxpr"])
   _child(state, (index, "cond_jaxpr", 0), cond, cond_consts + carry, [None], ctx,
-         _consts_of(p["cond_jaxpr"]))
+         consts_of(p["cond_jaxpr"]))
   return cond_consts + b_in[:bn] + carry, carry
 
 
-@rule("cond")
+@rule(*traversed_names("cond"))
 def _cond(eqn, ins, outs, ctx, state, index):
   operands = ins[1:]
   new_operands, new_outs = list(operands), list(outs)
   for b, branch in enumerate(eqn.params["branches"]):
-    child = _child(state, (index, "branches", b), branch.jaxpr, operands, outs, ctx,
-                   _consts_of(branch))
-    b_in, b_out = _read(child, branch.jaxpr.invars), _read(child, branch.jaxpr.outvars)
+    jaxpr = open_jaxpr(branch)
+    child = _child(state, (index, "branches", b), jaxpr, operands, outs, ctx,
+                   consts_of(branch))
+    b_in, b_out = _read(child, jaxpr.invars), _read(child, jaxpr.outvars)
     new_operands = [a if a is not None else c for a, c in zip(new_operands, b_in)]
     new_outs = [a if a is not None else c for a, c in zip(new_outs, b_out)]
   return [ins[0]] + new_operands, new_outs
-
-
-def sub_jaxprs(eqn):
-  """(key, jaxpr) pairs of the sub-jaxprs the analysis and the emitter recurse into."""
-  name = eqn.primitive.name
-  if name in ("jit", "remat2", "checkpoint"):
-    sub = eqn.params["jaxpr"]
-    return [(("jaxpr", 0), sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)]
-  if name in ("custom_jvp_call", "custom_vjp_call"):
-    return [(("call_jaxpr", 0), eqn.params["call_jaxpr"].jaxpr)]
-  if name == "scan":
-    return [(("jaxpr", 0), eqn.params["jaxpr"].jaxpr)]
-  if name == "while":
-    return [(("body_jaxpr", 0), eqn.params["body_jaxpr"].jaxpr),
-            (("cond_jaxpr", 0), eqn.params["cond_jaxpr"].jaxpr)]
-  if name == "cond":
-    return [(("branches", b), br.jaxpr) for b, br in enumerate(eqn.params["branches"])]
-  return []
 
 
 # ---------------------------------------------------------------- why a layout is unknown

@@ -7,9 +7,10 @@
 It runs three programs on the given inputs: the original (plain `jax.jit`), the
 transformed one (`meshslice.transform(step, **options)`), and, when the inputs are
 concrete and small enough, an unsharded single-device reference: the same traced
-program evaluated on one device with every sharding annotation dropped. Plain GSPMD is
-itself wrong on some layouts (DESIGN.md section 6), so the reference is the judge when
-it ran; otherwise the transformed program is judged against plain jit.
+program evaluated on one device with every sharding annotation dropped
+(`meshslice.reference`). Plain GSPMD is itself wrong on some layouts (docs/design.md,
+"Numerics"), so the reference is the judge when it ran; otherwise the transformed program
+is judged against plain jit.
 
 The verdict per output leaf (README "Checking a rewrite on your own inputs"):
 
@@ -43,15 +44,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import textwrap
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jax_internals import jit_params, scan_counts
+from ._jax_internals import jit_params
+from ._jax_internals import scan_counts as scan_counts   # re-exported: tests read it here
+from .errors import MeshsliceError
 from .nnx_jit import is_nnx_jit
+from .reference import NoReference, evaluate, shorten
 from .transform import Transformed, transform
 
 #: Tolerance per dtype (README "Numerics"): |a - b| <= tol * |b| + tol * max|b|. Complex
@@ -59,8 +62,6 @@ from .transform import Transformed, transform
 #: max(2e-2, 2 * eps); integer, bool and key outputs are compared exactly.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2,
              "complex128": 1e-9, "complex64": 1e-4}
-
-_MESSAGE_LIMIT = 1000    # characters of a quoted exception message (cut between words)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -561,7 +562,9 @@ def _outputs_agree(fn, options, report, disabled, fresh, judge) -> bool:
   base = {k: v for k, v in options.items() if k not in ("overrides", "plan")}
   try:
     out = transform(fn, **base, plan=plan)(*fresh.args(), **fresh.kwargs())
-  except ValueError:      # the plan cannot be re-applied: pin by index on top instead
+  except MeshsliceError:
+    # the plan cannot be re-applied: pin by index on top instead (only the pass's own
+    # errors say that; one raised by JAX or by the step itself propagates)
     overrides = dict(options.get("overrides") or {})
     for i in disabled:
       overrides[i] = {"rewrite": False}
@@ -618,17 +621,6 @@ def _bisect(result, fn, options, fresh, judge) -> CheckResult:
 
 
 # -------------------------------------------------------------------------- reference
-class _NoReference(Exception):
-  """The program cannot be evaluated unsharded (the message says why)."""
-
-
-def _shorten(text: str, limit: int = _MESSAGE_LIMIT) -> str:
-  """The first line of an exception message, cut between words when over `limit`."""
-  first = (str(text).strip().splitlines() or [""])[0]
-  return textwrap.shorten(first, width=limit, placeholder=" [...]") if len(first) > limit \
-      else first
-
-
 def _reference(closed, leaves, limit, roundoff=0.0):
   """(flat outputs as `_Host`s, "", sensitivity) of the unsharded run of the traced
   program `closed` on the flat dynamic inputs `leaves`, or (None, why not, None).
@@ -653,7 +645,7 @@ def _reference(closed, leaves, limit, roundoff=0.0):
   def unsharded(*flat):
     cs = [c.wrap(v) for c, v in zip(consts, flat[:n])]
     ins = [h.wrap(v) for h, v in zip(host, flat[n:])]
-    outs = _eval(closed.jaxpr, cs, ins)
+    outs = evaluate(closed.jaxpr, cs, ins)
     return [jax.random.key_data(o) if k else o for o, k in zip(outs, key_out)]
 
   values = [c.value for c in consts] + [h.value for h in host]
@@ -665,10 +657,10 @@ def _reference(closed, leaves, limit, roundoff=0.0):
       if roundoff > 0:
         rng = np.random.default_rng(0)
         moved = run(*[_moved(v, roundoff, rng) for v in values])
-  except _NoReference as e:
+  except NoReference as e:
     return None, str(e), None
   except Exception as e:  # noqa: BLE001  (the check goes on, judged by plain jit)
-    return None, f"the unsharded run failed: {type(e).__name__}: {_shorten(e)}", None
+    return None, f"the unsharded run failed: {type(e).__name__}: {shorten(e)}", None
   wrap = lambda os: [_Host(np.asarray(o), a.dtype) for o, a in zip(os, closed.out_avals)]
   return wrap(outs), "", None if moved is None else wrap(moved)
 
@@ -701,90 +693,3 @@ class _HostInput:
 
   def wrap(self, v):
     return v if self.impl is None else jax.random.wrap_key_data(v, impl=self.impl)
-
-
-_STRIPPED = ("sharding", "out_sharding")
-_IDENTITY = ("sharding_constraint", "reshard", "device_put", "mesh_cast")
-
-
-def _eval(jaxpr, consts, args):
-  """Evaluate a jaxpr with its sharding annotations dropped (one device)."""
-  env = {}
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    name = eqn.primitive.name
-    rule = _RULES.get(name)
-    if rule is not None:
-      outs = rule(eqn, invals)
-    elif name in _IDENTITY:
-      outs = invals[:len(eqn.outvars)]
-    elif name == "shard_map":
-      raise _NoReference("the program contains a shard_map (manual collectives), which "
-                         "cannot run unsharded")
-    else:     # everything else (scatter-add's update_jaxpr included) binds as is
-      params = {k: (None if k in _STRIPPED else p) for k, p in eqn.params.items()}
-      try:
-        outs = eqn.primitive.bind(*invals, **params)
-      except Exception as e:  # noqa: BLE001
-        raise _NoReference(f"no unsharded evaluation of {name}: {type(e).__name__}: "
-                           f"{_shorten(e)}") from None
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
-  return [_read(env, v) for v in jaxpr.outvars]
-
-
-def _read(env, v):
-  return v.val if type(v).__name__ == "Literal" else env[v]
-
-
-def _closed(c):
-  return (c.jaxpr, c.consts) if hasattr(c, "consts") else (c, ())
-
-
-def _inline(param):
-  def rule(eqn, invals):
-    jaxpr, consts = _closed(eqn.params[param])
-    return _eval(jaxpr, consts, invals)
-  return rule
-
-
-def _scan(eqn, invals):
-  p = eqn.params
-  nc, nk = scan_counts(p)       # the project's shim over scan's params across jax versions
-  jaxpr, consts = _closed(p["jaxpr"])
-  cs, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
-
-  def body(carry, x):
-    outs = _eval(jaxpr, consts, list(cs) + list(carry) + list(x))
-    return outs[:nk], outs[nk:]
-
-  carry, ys = jax.lax.scan(body, list(init), list(xs), length=p["length"],
-                           reverse=p["reverse"])
-  return list(carry) + list(ys)
-
-
-def _while(eqn, invals):
-  p = eqn.params
-  cn, bn = p["cond_nconsts"], p["body_nconsts"]
-  cj, cc = _closed(p["cond_jaxpr"])
-  bj, bc = _closed(p["body_jaxpr"])
-  ccs, bcs, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-  return jax.lax.while_loop(lambda c: _eval(cj, cc, list(ccs) + list(c))[0],
-                            lambda c: _eval(bj, bc, list(bcs) + list(c)), list(init))
-
-
-def _cond(eqn, invals):
-  branches = [(lambda *ops, br=br: _eval(*_closed(br), ops)) for br in eqn.params["branches"]]
-  return jax.lax.switch(invals[0], branches, *invals[1:])
-
-
-_RULES = {"jit": _inline("jaxpr"), "pjit": _inline("jaxpr"),
-          "remat2": _inline("jaxpr"), "checkpoint": _inline("jaxpr"),
-          "custom_jvp_call": _inline("call_jaxpr"), "custom_vjp_call": _inline("call_jaxpr"),
-          "closed_call": _inline("call_jaxpr"), "core_call": _inline("call_jaxpr"),
-          "scan": _scan, "while": _while, "cond": _cond}

@@ -6,8 +6,8 @@ bodies) are re-traced through the same interpreter and the higher-order primitiv
 re-bound with the new body; sub-jaxprs without sites are kept untouched. Existing
 shard_maps are left as they are.
 
-What is cheap to re-use is re-used (issue 11 item 8: the pass must cost well under the
-plain lowering): equations whose inputs keep their types are staged as they are rather
+What is cheap to re-use is re-used, so that the pass costs well under the plain
+lowering: equations whose inputs keep their types are staged as they are rather
 than re-bound; sites with the same plan and operand types share one traced shard_map,
 copied into the program at each site; a sub-jaxpr object that JAX shares between calls
 (every block of an unrolled `jax.checkpoint` model) is rewritten once per distinct set of
@@ -24,17 +24,19 @@ from meshslice.rewrites.platform import target_platform
 from meshslice.rewrites.slicing import not_before
 
 from . import specs as S
-from .analysis import sub_jaxprs
-from ._jax_internals import (ClosedJaxpr, Literal, copy_eqn, hoist_consts, inline_closed,
-                             rebind_context, retrace, scan_params_with_consts, trace_once)
+from ._jax_internals import (ClosedJaxpr, Literal, bind, copy_eqn, eqn_context, higher_order,
+                             hoist_consts, inline_closed, rebind_context, retrace,
+                             scan_params_with_consts, sub_jaxprs, trace_once, while_counts,
+                             while_params_with_consts)
 
+# Re-binding a higher-order primitive with rewritten bodies, by its `HIGHER_ORDER` kind.
 _HANDLERS = {}
 
 
-def handler(*names):
+def handler(*kinds):
   def register(fn):
-    for n in names:
-      _HANDLERS[n] = fn
+    for kind in kinds:
+      _HANDLERS[kind] = fn
     return fn
   return register
 
@@ -95,16 +97,16 @@ class Emitter:
     for i, eqn in enumerate(jaxpr.eqns):
       invals = [read(v) for v in eqn.invars]
       path = prefix + (i,)
-      with rebind_context(eqn), eqn.ctx.manager:
+      with rebind_context(eqn), eqn_context(eqn):
         if path in self.plans:
           outs = [self.rewrite(self.plans[path], eqn, *invals)]
         elif any(prefix + ((i, p, b),) in self.live
                  for (p, b), _ in sub_jaxprs(eqn)):
-          outs = _HANDLERS[eqn.primitive.name](self, eqn, invals, prefix + (i,))
+          outs = _HANDLERS[higher_order(eqn).kind](self, eqn, invals, prefix + (i,))
         else:
           outs = copy_eqn(eqn, invals)
           if outs is None:
-            outs = _bind(eqn, invals, eqn.params)
+            outs = bind(eqn, invals)
       for v, x in zip(eqn.outvars, outs):
         env[v] = x
     return [read(v) for v in jaxpr.outvars]
@@ -201,8 +203,8 @@ def _gathers_wait(body, geometry):
   Used for weight gradients outside loops (`_holds_gathers_back`): the forward activation
   they gather is ready long before the cotangent, and XLA would otherwise hoist its
   gather (and the checkpointed recomputation) into the forward pass, each gathered copy
-  live until its backward. Measured on the unrolled demo step (CPU, 8 layers): temp memory 1.27x plain
-  jit's without this, 0.72x with it. Values are bit for bit the same
+  live until its backward. Measured on the unrolled demo step (CPU, 8 layers): temp
+  memory 1.27x plain jit's without this, 0.72x with it. Values are bit for bit the same
   (`rewrites.slicing.not_before`)."""
   if not isinstance(geometry, GemmGeometry):
     return body
@@ -213,8 +215,6 @@ def _gathers_wait(body, geometry):
                 not_before(rhs, lhs) if rhs_moves else rhs)
 
   return held_back
-
-
 
 
 def _reshard_explicit(value, spec):
@@ -237,57 +237,48 @@ def _is_explicit(sharding):
   return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def _bind(eqn, invals, params):
-  # as jax.core.eval_jaxpr does: the bind params may carry "subfuns" (custom_vjp_call)
-  outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-  return outs if eqn.primitive.multiple_results else [outs]
+def _body_key(path, param, branch=0):
+  """The path key of a sub-jaxpr of the equation at `path` (as `Site.path` spells it)."""
+  return path[:-1] + ((path[-1], param, branch),)
 
 
-@handler("jit")
-def _jit(em, eqn, invals, path):
-  new = em.subjaxpr(eqn.params["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
-  return _bind(eqn, invals, dict(eqn.params, jaxpr=new))
-
-
-@handler("custom_jvp_call", "custom_vjp_call")
-def _custom_call(em, eqn, invals, path):
-  new = em.subjaxpr(eqn.params["call_jaxpr"], path[:-1] + ((path[-1], "call_jaxpr", 0),))
-  return _bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+@handler("call")
+def _call(em, eqn, invals, path):
+  """jit, remat, custom_jvp/vjp: the body re-traced; an open body (remat's) takes the
+  consts of the new one as leading operands."""
+  h = higher_order(eqn)
+  param, = h.bodies
+  new = em.subjaxpr(eqn.params[param], _body_key(path, param))
+  if h.closed:
+    return bind(eqn, invals, dict(eqn.params, **{param: new}))
+  jaxpr, consts = hoist_consts(new)
+  return bind(eqn, consts + list(invals), dict(eqn.params, **{param: jaxpr}))
 
 
 @handler("cond")
 def _cond(em, eqn, invals, path):
-  branches = tuple(em.subjaxpr(br, path[:-1] + ((path[-1], "branches", b),))
+  branches = tuple(em.subjaxpr(br, _body_key(path, "branches", b))
                    for b, br in enumerate(eqn.params["branches"]))
-  return _bind(eqn, invals, dict(eqn.params, branches=branches))
-
-
-@handler("remat2", "checkpoint")
-def _remat(em, eqn, invals, path):
-  new = em.subjaxpr(eqn.params["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
-  jaxpr, consts = hoist_consts(new)
-  return _bind(eqn, consts + list(invals), dict(eqn.params, jaxpr=jaxpr))
+  return bind(eqn, invals, dict(eqn.params, branches=branches))
 
 
 @handler("scan")
 def _scan(em, eqn, invals, path):
   p = eqn.params
-  new = em.subjaxpr(p["jaxpr"], path[:-1] + ((path[-1], "jaxpr", 0),))
+  new = em.subjaxpr(p["jaxpr"], _body_key(path, "jaxpr"))
   jaxpr, consts = hoist_consts(new)
   params = scan_params_with_consts(p, len(consts), ClosedJaxpr(jaxpr, ()))
-  return _bind(eqn, consts + list(invals), params)
+  return bind(eqn, consts + list(invals), params)
 
 
 @handler("while")
 def _while(em, eqn, invals, path):
   p = eqn.params
-  cn, bn = p["cond_nconsts"], p["body_nconsts"]
-  body, body_consts = hoist_consts(
-      em.subjaxpr(p["body_jaxpr"], path[:-1] + ((path[-1], "body_jaxpr", 0),)))
-  cond, cond_consts = hoist_consts(
-      em.subjaxpr(p["cond_jaxpr"], path[:-1] + ((path[-1], "cond_jaxpr", 0),)))
+  cn, bn = while_counts(p)
+  body, body_consts = hoist_consts(em.subjaxpr(p["body_jaxpr"], _body_key(path, "body_jaxpr")))
+  cond, cond_consts = hoist_consts(em.subjaxpr(p["cond_jaxpr"], _body_key(path, "cond_jaxpr")))
   operands = (cond_consts + list(invals[:cn]) + body_consts + list(invals[cn:cn + bn])
               + list(invals[cn + bn:]))
-  params = dict(p, body_jaxpr=ClosedJaxpr(body, ()), cond_jaxpr=ClosedJaxpr(cond, ()),
-                cond_nconsts=cn + len(cond_consts), body_nconsts=bn + len(body_consts))
-  return _bind(eqn, operands, params)
+  params = while_params_with_consts(p, len(cond_consts), ClosedJaxpr(cond, ()),
+                                    len(body_consts), ClosedJaxpr(body, ()))
+  return bind(eqn, operands, params)

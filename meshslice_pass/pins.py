@@ -7,17 +7,19 @@ Example:
   >>> validate_pin("overrides[3]", {"slices": 2})
   Traceback (most recent call last):
   ...
-  ValueError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow, ksplit, rewrite
+  meshslice.errors.PinError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow, ksplit, rewrite
   >>> validate_pin("overrides[3]", {"ksplit": 0})
   Traceback (most recent call last):
   ...
-  ValueError: overrides[3]: ksplit must be a positive int (1 = no slicing) or None for automatic, got 0
+  meshslice.errors.PinError: overrides[3]: ksplit must be a positive int (1 = no slicing) or None for automatic, got 0
 """
 from __future__ import annotations
 
 import difflib
 
 from meshslice.rewrites import ALGORITHMS
+
+from .errors import PinError
 
 PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite")
 
@@ -34,8 +36,8 @@ def _did_you_mean(value, choices) -> str:
 def validate_algorithm(value, name: str = "algorithm",
                        unset: str = " (or None for automatic)") -> None:
   if value is not None and value not in ALGORITHMS:
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, ALGORITHMS))}{unset}, "
-                     f"got {value!r}{_did_you_mean(value, ALGORITHMS)}")
+    raise PinError(f"{name} must be one of {', '.join(map(repr, ALGORITHMS))}{unset}, "
+                   f"got {value!r}{_did_you_mean(value, ALGORITHMS)}")
 
 
 def validate_count(name: str, value, *, automatic_allowed: bool = False,
@@ -45,24 +47,24 @@ def validate_count(name: str, value, *, automatic_allowed: bool = False,
     return
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     hint = unset if automatic_allowed else ""
-    raise ValueError(f"{name} must be a positive int (1 = no slicing){hint}, got {value!r}")
+    raise PinError(f"{name} must be a positive int (1 = no slicing){hint}, got {value!r}")
 
 
 def validate_pin(where: str, pin) -> None:
   """A per-site pin {algorithm, dataflow, ksplit, rewrite}; `where` names it in errors."""
   if not isinstance(pin, dict):
-    raise ValueError(f"{where} must be a dict with keys from {', '.join(PIN_KEYS)}, got "
-                     f"{type(pin).__name__}")
+    raise PinError(f"{where} must be a dict with keys from {', '.join(PIN_KEYS)}, got "
+                   f"{type(pin).__name__}")
   for name in pin:
     if name not in PIN_KEYS:
       hint = _did_you_mean(name, PIN_KEYS)
       hint = f" (did you mean {hint[len('; did you mean '):-1]}?)" if hint else ""
-      raise ValueError(f"{where} has unknown key {name!r}{hint}; allowed: "
-                       f"{', '.join(PIN_KEYS)}")
+      raise PinError(f"{where} has unknown key {name!r}{hint}; allowed: "
+                     f"{', '.join(PIN_KEYS)}")
   validate_algorithm(pin.get("algorithm"), f"{where}: algorithm")
   validate_count(f"{where}: ksplit", pin.get("ksplit"), automatic_allowed=True)
   if pin.get("dataflow") not in (None, "os", "ls", "rs"):
-    raise ValueError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
-                     f"{pin['dataflow']!r}{_did_you_mean(pin['dataflow'], ('os', 'ls', 'rs'))}")
+    raise PinError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
+                   f"{pin['dataflow']!r}{_did_you_mean(pin['dataflow'], ('os', 'ls', 'rs'))}")
   if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
-    raise ValueError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")
+    raise PinError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 
+from .errors import PinError, PlanError
 from .pins import validate_algorithm, validate_count, validate_pin
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
@@ -71,31 +72,31 @@ class Plan:
     try:
       data = json.loads(text)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{where} is not valid JSON: {e}") from None
+      raise PlanError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or data.get("version") != VERSION:
-      raise ValueError(f"{where}: expected a JSON object with \"version\": {VERSION}")
+      raise PlanError(f"{where}: expected a JSON object with \"version\": {VERSION}")
     mesh_shape = data.get("mesh_shape")
     if not isinstance(mesh_shape, dict) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 1
         for v in mesh_shape.values()):
-      raise ValueError(f"{where}: field 'mesh_shape' must be an object {{axis: size}} with "
-                       f"positive int sizes, got {mesh_shape!r}")
+      raise PlanError(f"{where}: field 'mesh_shape' must be an object {{axis: size}} with "
+                      f"positive int sizes, got {mesh_shape!r}")
     sites = data.get("sites")
     if not isinstance(sites, list):
-      raise ValueError(f"{where}: field 'sites' must be a list")
+      raise PlanError(f"{where}: field 'sites' must be a list")
     for k, entry in enumerate(sites):
       if not isinstance(entry, dict):
-        raise ValueError(f"{where}: sites[{k}] must be an object")
+        raise PlanError(f"{where}: sites[{k}] must be an object")
       for name, kind in _FIELDS.items():
         if name not in entry:
-          raise ValueError(f"{where}: sites[{k}] is missing field {name!r}")
+          raise PlanError(f"{where}: sites[{k}] is missing field {name!r}")
         if not isinstance(entry[name], kind) or (kind is int and isinstance(entry[name], bool)):
-          raise ValueError(f"{where}: sites[{k}].{name} must be {kind.__name__}, got "
-                           f"{entry[name]!r}")
+          raise PlanError(f"{where}: sites[{k}].{name} must be {kind.__name__}, got "
+                          f"{entry[name]!r}")
       for name, kinds in _OPTIONAL.items():
         if name in entry and (not isinstance(entry[name], kinds) or (
             isinstance(entry[name], bool) and bool not in kinds)):
-          raise ValueError(f"{where}: sites[{k}].{name} has the wrong type: {entry[name]!r}")
+          raise PlanError(f"{where}: sites[{k}].{name} has the wrong type: {entry[name]!r}")
       _check_entry(f"{where}: sites[{k}]", entry)
     _check_unique(where, sites)
     return cls(mesh_shape=data["mesh_shape"], sites=tuple(sites))
@@ -110,7 +111,7 @@ class Plan:
       with open(path) as f:
         text = f.read()
     except OSError as e:
-      raise ValueError(f"plan file {path!r} cannot be read: {e.strerror}") from None
+      raise PlanError(f"plan file {path!r} cannot be read: {e.strerror}") from None
     return cls.from_json(text, where=f"plan file {path!r}")
 
   # -- editing and applying
@@ -119,14 +120,14 @@ class Plan:
     where = f"Plan.edit(site {index!r})"
     for name, value in pin.items():
       if value is None:
-        raise ValueError(f"{where}: {name}=None cannot be pinned; give a value (ksplit: a "
-                         "positive int, algorithm: a name, dataflow: 'os'/'ls'/'rs', "
-                         "rewrite: True/False), or leave the key out")
+        raise PinError(f"{where}: {name}=None cannot be pinned; give a value (ksplit: a "
+                       "positive int, algorithm: a name, dataflow: 'os'/'ls'/'rs', "
+                       "rewrite: True/False), or leave the key out")
     validate_pin(where, pin)
     if not any(e["index"] == index for e in self.sites):
       indexes = ", ".join(str(e["index"]) for e in self.sites) or "none"
-      raise ValueError(f"the plan has no site #{index!r} (it has {len(self.sites)} sites: "
-                       f"{indexes})")
+      raise PlanError(f"the plan has no site #{index!r} (it has {len(self.sites)} sites: "
+                      f"{indexes})")
     def edited(entry):
       new = dict(entry, **pin, edited=True)
       # asking a collective site for slices means: slice it
@@ -154,9 +155,9 @@ class Plan:
     """Raise if this plan was made for another program or another mesh."""
     if mesh_shape is not None and dict(self.mesh_shape) != dict(mesh_shape):
       fmt = lambda m: " x ".join(f"{k}={v}" for k, v in m.items()) or "none"
-      raise ValueError(f"plan was made for mesh {fmt(self.mesh_shape)}, this program runs on "
-                       f"mesh {fmt(mesh_shape)}: a plan only applies to the mesh shape it was "
-                       "made for; re-plan with meshslice.explain(...).plan on this mesh")
+      raise PlanError(f"plan was made for mesh {fmt(self.mesh_shape)}, this program runs on "
+                      f"mesh {fmt(mesh_shape)}: a plan only applies to the mesh shape it was "
+                      "made for; re-plan with meshslice.explain(...).plan on this mesh")
     _check_unique("plan", self.sites)
     for k, entry in enumerate(self.sites):
       _check_entry(f"plan sites[{k}]", entry)
@@ -165,10 +166,10 @@ class Plan:
       site = here.get(entry["index"])
       if site is None or not _same_site(entry, site):
         found = f"{_where(site.source, site.module)}" if site else "no matmul"
-        raise ValueError(f"plan does not match this program: site #{entry['index']} was a "
-                         f"matmul at {_where(entry['source'], entry.get('module', ''))}, this "
-                         f"program has {found} there; re-plan with "
-                         "meshslice.explain(...).plan")
+        raise PlanError(f"plan does not match this program: site #{entry['index']} was a "
+                        f"matmul at {_where(entry['source'], entry.get('module', ''))}, this "
+                        f"program has {found} there; re-plan with "
+                        "meshslice.explain(...).plan")
 
 
 # every dataflow a report can name (matching.py): the 2D ones and the 1D site kinds
@@ -201,10 +202,10 @@ def _check_entry(where: str, entry: dict) -> None:
   validate_algorithm(entry.get("algorithm"), f"{where}.algorithm", unset=" or null")
   dataflow = entry.get("dataflow")
   if dataflow is not None and dataflow not in _DATAFLOWS:
-    raise ValueError(f"{where}.dataflow must be one of {', '.join(map(repr, _DATAFLOWS))} "
-                     f"or null, got {dataflow!r}")
+    raise PinError(f"{where}.dataflow must be one of {', '.join(map(repr, _DATAFLOWS))} "
+                   f"or null, got {dataflow!r}")
   if entry.get("index", 0) < 0:
-    raise ValueError(f"{where}.index must be >= 0, got {entry['index']!r}")
+    raise PlanError(f"{where}.index must be >= 0, got {entry['index']!r}")
 
 
 def _check_unique(where: str, sites) -> None:
@@ -212,6 +213,6 @@ def _check_unique(where: str, sites) -> None:
   for entry in sites:
     index = entry.get("index")
     if index in seen:
-      raise ValueError(f"{where}: site index {index} appears more than once; each site "
-                       "must have one entry (re-plan with meshslice.explain(...).plan)")
+      raise PlanError(f"{where}: site index {index} appears more than once; each site "
+                      "must have one entry (re-plan with meshslice.explain(...).plan)")
     seen.add(index)

@@ -33,6 +33,8 @@ from . import backend_flags
 from . import costing
 from . import matching
 from . import specs as S
+from .errors import PinError
+from ._jax_internals import eqn_name_stack, is_literal, sub_jaxprs
 from .provenance import module_path, name_stack, source_location
 
 
@@ -115,10 +117,10 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
   consumers = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
-      if not hasattr(v, "val"):
+      if not is_literal(v):
         consumers.setdefault(v, []).append(eqn)
   for v in jaxpr.outvars:
-    if not hasattr(v, "val"):
+    if not is_literal(v):
       consumers.setdefault(v, []).append(None)
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
@@ -128,11 +130,11 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
                         transposed_by, param)
       sites.append(_with_layout_hint(site, jaxpr, eqn, analysis))
       continue
-    for (param, branch), sub in A.sub_jaxprs(eqn):
+    for (param, branch), sub in sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
-                        eqn.source_info.name_stack)], sites)
+                        eqn_name_stack(eqn))], sites)
 
 
 def _with_layout_hint(site, jaxpr, eqn, analysis):
@@ -154,7 +156,7 @@ def _with_layout_hint(site, jaxpr, eqn, analysis):
 def _spec_of(analysis, v):
   if analysis is None:
     return None
-  if hasattr(v, "val"):
+  if is_literal(v):
     return S.replicated(len(getattr(v.aval, "shape", ())))
   return analysis.specs.get(v)
 
@@ -190,10 +192,10 @@ def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None, par
   try:
     swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by,
                              param=param)
-  except ValueError as error:
+  except PinError as error:
     try:
       site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
-    except ValueError:
+    except PinError:
       raise error from None
     if site.rewritten:
       return site
@@ -302,7 +304,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   if not options:
     if not site.rewritten and pinned in (None, site.dataflow):
       return site     # no plan fits HBM, in any dataflow
-    raise ValueError(
+    raise PinError(
         f"{_pinned_by(request, 'dataflow')}dataflow={pinned!r} cannot serve site #{index} "
         f"({base['source']}): its operand "
         f"layouts allow {', '.join(sorted({m.dataflow for m in found.matches}))}, and no reshard "
@@ -448,8 +450,8 @@ def _choose_algorithm(geometry, request, site):
   if not why_not:
     return algorithm, ""
   if request.strict:
-    raise ValueError(f"{_pinned_by(request, 'algorithm')}algorithm={algorithm!r} cannot "
-                     f"serve {site.label}: {why_not}")
+    raise PinError(f"{_pinned_by(request, 'algorithm')}algorithm={algorithm!r} cannot "
+                   f"serve {site.label}: {why_not}")
   return None, f"{why_not}; chose among {', '.join(costing.AUTO_ALGORITHMS)}"
 
 
@@ -471,7 +473,7 @@ def _requested_ksplit(algorithm, geometry: GemmGeometry, request, site: Site):
   valid = [k for k in range(1, geometry.global_extent + 1)
            if geometry.global_extent % k == 0 and not _fits(algorithm, geometry, k)]
   if request.strict:
-    raise ValueError(
+    raise PinError(
         f"{_pinned_by(request, 'ksplit')}ksplit={wanted} does not fit {site.label}, a "
         f"{site.dataflow} matmul over "
         f"{site.mesh_axes}: its communicated extent {geometry.global_extent} must be "
