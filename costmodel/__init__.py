@@ -12,6 +12,7 @@ never imports the pass or the rewrites.
   interconnect  Topology: the network a profile describes (data only)
   topology   per-mesh-axis bandwidth from the torus / node geometry (profile_for_mesh)
   timeline   predicted schedules as Chrome / Perfetto trace JSON
+  hlo_text   the one HLO text parser: types and bytes, replica groups, trip counts
   cli        `python -m meshslice autotune`
 
 Example:
