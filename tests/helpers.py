@@ -4,6 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from meshslice.hlo import collective_stats
+
 TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2}
 
 
@@ -25,16 +27,9 @@ def assert_trees_close(a, b, dtype=jnp.float32, scale=1.0):
 
 
 def collective_counts(hlo_text):
-  """Count collectives in compiled HLO text by kind."""
-  kinds = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0, "collective-permute": 0}
-  for line in hlo_text.splitlines():
-    if "=" not in line:
-      continue
-    rhs = line.split("=", 1)[1]
-    for k in kinds:
-      if f" {k}(" in rhs or f" {k}-start(" in rhs:
-        kinds[k] += 1
-  return kinds
+  """{collective kind: how many appear in the HLO text}: each instruction once, loop
+  bodies included once (`meshslice.hlo.collective_stats(..., loops=False)`)."""
+  return collective_stats(hlo_text, loops=False)["count"]
 
 
 def shard_map_bodies(fn, *args):
