@@ -6,15 +6,16 @@ appear in the order they run, and most carry the compiler's own cost estimate in
 backend config (`"estimated_cycles":"151690"`, chip cycles). This module turns that text
 into data and walks it:
 
-  read_schedule(text)  -> Schedule: per instruction of the entry computation, in order,
-                          with `while` loops as Loop entries (body + trip count);
-                          `Schedule.expanded()` repeats each body trip-count times
+  read_schedule(text)  -> CompiledSchedule: a CompiledOp per instruction of the entry
+                          computation, in order, with `while` loops as Loop entries
+                          (body + trip count); `.expanded()` repeats each body
+                          trip-count times
   summarize(schedule)  -> Summary: compute cycles (dot / relayout copy / other),
                           collectives by kind (count, bytes), sync vs async, loops,
                           windowed-einsum loops
   simulate(schedule, profile) -> Simulation: the predicted step time
 
-What an instruction is (`Op.kind`):
+What an instruction is (`CompiledOp.kind`):
 
   dot          a convolution / dot, or a fusion whose computation contains one
   copy         a relayout: a `copy` (or a fusion that is only a copy / transpose) whose
@@ -30,7 +31,7 @@ What an instruction is (`Op.kind`):
                scheduled between a start and its done runs while the collective moves.
   dma          async memory moves with no compute estimate (copy-start/-done,
                slice-start/-done): not modelled
-  loop         a `while` (Schedule entries of type Loop)
+  loop         a `while` (CompiledSchedule entries of type Loop)
   other        everything else: elementwise fusions, slices, reductions (their
                estimated cycles count as compute), and free ops (parameter, bitcast,
                get-tuple-element, tuple, constant)
@@ -54,17 +55,17 @@ Compute inside async collective fusions. With libtpu's async collective fusion
 (`--xla_tpu_enable_async_collective_fusion=true`), the compute that overlaps a collective
 is fused with the collective's continuation (`async_collective_fusion.N`, a kOutput
 fusion whose computation repeats the collective and whose operands are the start's
-outputs). Such a fusion is compute (`Op.continuation`; kind "dot" when it holds a
+outputs). Such a fusion is compute (`CompiledOp.continuation`; kind "dot" when it holds a
 dot, else "other", e.g. an attention softmax), never another collective: the collective is
 timed by its start / done pair. On libtpu 0.0.42 such fusions carry their own estimated
 cycles; the start and done fusions do not (they issue and wait). Any dot-bearing fusion
 without an estimate gets one from its FLOPs at the chip's peak
-(`Op.cycles_source == "flops"`), so nothing is silently free; compiling the same
+(`CompiledOp.cycles_source == "flops"`), so nothing is silently free; compiling the same
 program a second time without the async flags gives the compiler's own estimate for the
 same work (`meshslice.aot` does both).
 
-Bytes. `Op.bytes` is the size of the result (for an async start: of the
-collective's output). `Op.moved_bytes` is what one device sends for a collective,
+Bytes. `CompiledOp.bytes` is the size of the result (for an async start: of the
+collective's output). `CompiledOp.moved_bytes` is what one device sends for a collective,
 assuming rings over a group of n devices (`hlo_text.moved_bytes`, as `meshslice.hlo`
 counts them): all-gather and all-to-all result * (n-1)/n, reduce-scatter result * (n-1),
 all-reduce 2 * result * (n-1)/n, collective-permute result.
@@ -86,9 +87,9 @@ times. Compute cycles are the compiler's (or FLOP-derived, see above).
 
 Links per collective. A mesh axis may span several torus dims, and `profile_for_mesh`
 sums their links; libtpu need not use them all. Each collective's backend config names
-the algorithm it chose (`Op.emitter`: "1DAllGatherNonMajorDim",
+the algorithm it chose (`CompiledOp.emitter`: "1DAllGatherNonMajorDim",
 "2DAllGatherOnMajorDim", "StrategyRing{colors:1 ...}", "UniDirectionNDRingStrategy{...
-cores:{4 4}}", ...), read as the torus dims it drives (`Op.ring_dims`); given
+cores:{4 4}}", ...), read as the torus dims it drives (`CompiledOp.ring_dims`); given
 `axis_dims` (the torus dims each profile dim's bandwidth sums: `axis_torus_dims(profile,
 mesh_shape)`), `simulate` gives the collective that share of the axis's bandwidth.
 Measured on libtpu 0.0.42: on v4:4x4x4 a 16-chip axis (two torus dims) gets 1D
@@ -96,7 +97,7 @@ all-gathers and a single-ring reduce-scatter but a 2-dim all-reduce; on v4:2x2x2
 4-chip axis gets 2D all-gathers.
 Async collective fusions name no algorithm: they take the one libtpu chose for a
 collective of the same kind over the same group shape elsewhere in the program
-(`Op.ring_dims_source == "same-axis"`), else (none) keep the whole axis.
+(`CompiledOp.ring_dims_source == "same-axis"`), else (none) keep the whole axis.
 
 Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   >>> text = '''
@@ -128,9 +129,10 @@ from .timing import all_reduce_time, collective_time, permute_time
 KINDS = ("dot", "copy", "collective", "start", "done", "dma", "loop", "other")
 
 # Clock of each TPU generation's TensorCore (Hz): estimated_cycles / clock = seconds.
-# v4: 1.05 GHz (DESIGN.md section 6b). v5e: 1.5 GHz, v5p: 1.75 GHz, v6e: 1.75 GHz:
-# public bf16 peaks (1.97e14, 4.59e14, 9.18e14 FLOP/s) divided by the MXU FLOPs per cycle
-# (v5e 4 x 128x128 MXUs, v5p 2 cores x 4 x 128x128, v6e 4 x 256x256; 2 FLOPs per MAC).
+# v4: 1.05 GHz, v5e: 1.5 GHz, v5p: 1.75 GHz, v6e: 1.75 GHz: public bf16 peaks (2.75e14,
+# 1.97e14, 4.59e14, 9.18e14 FLOP/s) divided by the MXU FLOPs per cycle (v4 2 cores x 4 x
+# 128x128 MXUs, v5e 4 x 128x128, v5p 2 cores x 4 x 128x128, v6e 4 x 256x256; 2 FLOPs per
+# MAC); docs/tpu.md compares them with the compiler's own estimates.
 CLOCK_HZ = {"tpu-v4": 1.05e9, "tpu-v5e": 1.5e9, "tpu-v5p": 1.75e9, "tpu-v6e": 1.75e9}
 # Dense bf16 MXU FLOPs per cycle per chip (the peak the FLOP-based fallback divides by).
 FLOPS_PER_CYCLE = {"tpu-v4": 262144, "tpu-v5e": 131072, "tpu-v5p": 262144,
@@ -244,8 +246,9 @@ def _strategy(attrs: str) -> tuple[str, int]:
 # ----------------------------------------------------------------------------- data
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Op:
-  """One scheduled instruction.
+class CompiledOp:
+  """One scheduled instruction of a compiled program (`Op`, its old name, still works;
+  `costmodel.timing.Op` is a modelled one).
 
   Attributes:
     name, opcode: as in the HLO text.
@@ -328,15 +331,16 @@ class Loop:
   kind: str = "loop"
 
 
-Entry = Union[Op, Loop]
+Entry = Union[CompiledOp, Loop]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
+class CompiledSchedule:
   """The entry computation's scheduled instructions (loops nested as Loop entries).
+  `Schedule`, its old name, still works; `costmodel.timing.Schedule` is a modelled one.
 
   Attributes:
-    entries: Op / Loop records in schedule order.
+    entries: CompiledOp / Loop records in schedule order.
     num_partitions: devices the program is partitioned over (from the HloModule line).
     scheduled: the module says `is_scheduled=true` (text order is the run order).
   """
@@ -345,8 +349,8 @@ class Schedule:
   num_partitions: int = 1
   scheduled: bool = True
 
-  def expanded(self) -> Iterator[Op]:
-    """Every Op in run order, each loop body repeated trip_count times."""
+  def expanded(self) -> Iterator[CompiledOp]:
+    """Every CompiledOp in run order, each loop body repeated trip_count times."""
     yield from _expand(self.entries)
 
   def loops(self) -> list[Loop]:
@@ -361,7 +365,13 @@ class Schedule:
     return out
 
 
-def _expand(entries) -> Iterator[Op]:
+# The old names (timing.Schedule / timing.Op are the cost model's own: two of each in one
+# package was confusing).
+Op = CompiledOp
+Schedule = CompiledSchedule
+
+
+def _expand(entries) -> Iterator[CompiledOp]:
   for e in entries:
     if isinstance(e, Loop):
       for _ in range(e.trip_count):
@@ -370,7 +380,7 @@ def _expand(entries) -> Iterator[Op]:
       yield e
 
 
-def _weighted(entries, times: int = 1) -> Iterator[tuple[Op, int]]:
+def _weighted(entries, times: int = 1) -> Iterator[tuple[CompiledOp, int]]:
   """(op, how often it runs) without repeating bodies: for totals on big loops."""
   for e in entries:
     if isinstance(e, Loop):
@@ -382,7 +392,7 @@ def _weighted(entries, times: int = 1) -> Iterator[tuple[Op, int]]:
 # ----------------------------------------------------------------------------- reading
 
 class _Reader:
-  """Builds Op / Loop records from parsed computations."""
+  """Builds CompiledOp / Loop records from parsed computations."""
 
   def __init__(self, module: hlo_text.Module, chip: str):
     self.module = module
@@ -442,7 +452,7 @@ class _Reader:
     return 2.0 * math.prod(out[0][1]) * k
 
   def collective_op(self, instr: Instr, kind_name: str, collective: str, *,
-                    result_type: str, partner: str = "") -> Op:
+                    result_type: str, partner: str = "") -> CompiledOp:
     group = hlo_text.replica_group(instr.attrs, self.devices)
     size = nbytes(result_type)
     if collective == "collective-permute":
@@ -454,11 +464,11 @@ class _Reader:
       link = 1 if len(ids) > 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])) else 0
     moved = hlo_text.moved_bytes(collective, size, len(group))
     emitter, ring_dims = _strategy(instr.attrs)
-    return Op(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=size,
+    return CompiledOp(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=size,
               collective=collective, group=tuple(group), moved_bytes=moved, link=link,
               partner=partner, emitter=emitter, ring_dims=ring_dims)
 
-  def op(self, comp: Computation, instr: Instr) -> Op:
+  def op(self, comp: Computation, instr: Instr) -> CompiledOp:
     opcode = instr.opcode
     cycles = _CYCLES.search(instr.attrs)
     cycles = int(cycles.group(1)) if cycles else 0
@@ -478,18 +488,18 @@ class _Reader:
         c = inner[0]
         return _renamed(self.collective_op(c, "start" if opcode == "async-start" else "done",
                                   c.opcode, result_type=c.type_text), instr)
-      return Op(kind="other", **base)
+      return CompiledOp(kind="other", **base)
     if opcode in _DMA:
-      return Op(kind="dma", **base)
+      return CompiledOp(kind="dma", **base)
     if opcode in _FREE:
-      return Op(kind="other", **base)
+      return CompiledOp(kind="other", **base)
     if opcode == "copy":
       operand = comp.instrs.get(instr.operands[0]) if instr.operands else None
       relayout = operand is not None and _layout_key(operand.type_text) != _layout_key(
           instr.type_text)
-      return Op(kind="copy" if relayout else "other", relayout=relayout, **base)
+      return CompiledOp(kind="copy" if relayout else "other", relayout=relayout, **base)
     if opcode in ("convolution", "dot"):
-      return self._dot(Op(kind="dot", flops=self.dot_flops(comp, instr), **base))
+      return self._dot(CompiledOp(kind="dot", flops=self.dot_flops(comp, instr), **base))
     if opcode == "fusion":
       called = instr.called().get("calls", [])
       inner = self.contents(called[0]) if called else {"opcodes": set(), "targets": set(),
@@ -503,16 +513,16 @@ class _Reader:
       if inner["collectives"] and self._is_continuation(comp, instr):
         # compute fused with the continuation of a collective in flight: the collective is
         # timed by its start / done pair, this fusion's cycles are compute
-        op = Op(kind="dot" if inner["opcodes"] & {"convolution", "dot"} else "other",
+        op = CompiledOp(kind="dot" if inner["opcodes"] & {"convolution", "dot"} else "other",
                 flops=inner["flops"], continuation=True, **base)
         return self._dot(op)
       if inner["collectives"] and not inner["opcodes"] & {"convolution", "dot"}:
         return self._collective_fusion(instr, inner["collectives"][0])
       if inner["opcodes"] & {"convolution", "dot"}:
-        return self._dot(Op(kind="dot", flops=inner["flops"], **base))
+        return self._dot(CompiledOp(kind="dot", flops=inner["flops"], **base))
       if called and self._is_relayout_fusion(comp, instr, called[0]):
-        return Op(kind="copy", relayout=True, **base)
-    return Op(kind="other", **base)
+        return CompiledOp(kind="copy", relayout=True, **base)
+    return CompiledOp(kind="other", **base)
 
   def _is_continuation(self, comp: Computation, instr: Instr) -> bool:
     """A fusion that continues an async collective fusion (libtpu's
@@ -538,7 +548,7 @@ class _Reader:
         return True
     return False
 
-  def _collective_fusion(self, instr: Instr, inner: Instr) -> Op:
+  def _collective_fusion(self, instr: Instr, inner: Instr) -> CompiledOp:
     """A synchronous collective the TPU compiler wrapped in a fusion. The dense program's
     reduce-scatters look like this: a kCustom fusion calling `%all-reduce-scatter`, an
     all-reduce whose result is dynamic-sliced to this device's piece (run as one
@@ -549,7 +559,7 @@ class _Reader:
     return _renamed(self.collective_op(inner, "collective", inner.opcode,
                                        result_type=inner.type_text), instr)
 
-  def _dot(self, op: Op) -> Op:
+  def _dot(self, op: CompiledOp) -> CompiledOp:
     if op.cycles or not op.flops:
       return op
     return dataclasses.replace(op, cycles=int(round(op.flops / self.flops_per_cycle)),
@@ -605,7 +615,7 @@ class _Reader:
                 windowed_einsum=windowed)
 
 
-def _renamed(op: Op, instr: Instr) -> Op:
+def _renamed(op: CompiledOp, instr: Instr) -> CompiledOp:
   """The collective found inside an async wrapper, named after the wrapper instruction
   (and priced by the wrapper's algorithm where the inner collective names none)."""
   emitter, ring_dims = (op.emitter, op.ring_dims) if op.emitter else _strategy(instr.attrs)
@@ -622,10 +632,10 @@ def _pair_async(entries: tuple, comp: Computation) -> tuple:
   """Link each async done to its start (following operands back through
   get-tuple-elements and continuation fusions), and record what runs in between."""
   position = {e.name: i for i, e in enumerate(entries)}
-  starts = {e.name for e in entries if isinstance(e, Op) and e.kind == "start"}
+  starts = {e.name for e in entries if isinstance(e, CompiledOp) and e.kind == "start"}
   pairs = {}
   for i, e in enumerate(entries):
-    if not (isinstance(e, Op) and e.kind == "done"):
+    if not (isinstance(e, CompiledOp) and e.kind == "done"):
       continue
     frontier, seen, found = list(_operand_names(comp, e.name)), set(), None
     while frontier and found is None:
@@ -650,8 +660,8 @@ def _pair_async(entries: tuple, comp: Computation) -> tuple:
   return tuple(out)
 
 
-def read_schedule(text: str, *, chip: str = "tpu-v4") -> Schedule:
-  """The entry computation of compiled (scheduled) HLO text, as Op / Loop records.
+def read_schedule(text: str, *, chip: str = "tpu-v4") -> CompiledSchedule:
+  """The entry computation of compiled (scheduled) HLO text, as CompiledOp / Loop records.
 
   chip: the profile name of the TPU generation (sets the FLOPs per cycle of the fallback
   estimate for dot fusions the compiler gave no cycles; see the module docstring).
@@ -664,14 +674,14 @@ def read_schedule(text: str, *, chip: str = "tpu-v4") -> Schedule:
   if module.entry is None:
     raise ValueError("read_schedule needs HLO text with an ENTRY computation")
   reader = _Reader(module, chip)
-  return Schedule(entries=_infer_ring_dims(reader.entries(module.entry)),
+  return CompiledSchedule(entries=_infer_ring_dims(reader.entries(module.entry)),
                   num_partitions=module.devices, scheduled=module.is_scheduled)
 
 
 def _infer_ring_dims(entries: tuple) -> tuple:
   """Collectives whose config names no algorithm (libtpu's async collective fusions)
   take the torus dims libtpu chose for the same kind of collective over the same group
-  shape elsewhere in the program (`Op.ring_dims_source` "same-axis"), the fewest where
+  shape elsewhere in the program (`CompiledOp.ring_dims_source` "same-axis"), the fewest where
   it chose several: priced like their synchronous siblings, not on every link."""
   known = {}
   def key(op):
@@ -737,8 +747,8 @@ class Summary:
     return float(sum(self.collective_bytes.values()))
 
 
-def summarize(schedule: Schedule | str) -> Summary:
-  """Totals of a Schedule (or of HLO text, read with default options)."""
+def summarize(schedule: CompiledSchedule | str) -> Summary:
+  """Totals of a CompiledSchedule (or of HLO text, read with default options)."""
   if isinstance(schedule, str):
     schedule = read_schedule(schedule)
   by_kind = {"dot": 0, "copy": 0}
@@ -878,7 +888,7 @@ def scheduler_cycles(log, entry: str | None = None) -> float | None:
   return (named or totals)[-1].cycles
 
 
-def scheduler_loop_cycles(log, schedule: "Schedule") -> float:
+def scheduler_loop_cycles(log, schedule: "CompiledSchedule") -> float:
   """What libtpu's scheduler logged for the bodies of the schedule's `while` loops, each
   body's "Total cycles" times the times it runs (trip counts, nested loops multiplied);
   bodies it did not log count 0. The entry computation's total counts a `while` as one
@@ -891,7 +901,7 @@ def scheduler_loop_cycles(log, schedule: "Schedule") -> float:
     ... x latency_hiding_scheduler.cc:1] Total cycles: 100'''
     >>> loop = Loop(name="w", trip_count=8, trip_count_known=True, body=(),
     ...             body_computation="body")
-    >>> scheduler_loop_cycles(log, Schedule(entries=(loop,)))
+    >>> scheduler_loop_cycles(log, CompiledSchedule(entries=(loop,)))
     800.0
   """
   totals = read_scheduler_log(log) if isinstance(log, str) else list(log)
@@ -984,7 +994,7 @@ class Simulation:
   profile: str
 
 
-def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> float:
+def collective_seconds(op: CompiledOp, profile: HardwareProfile, axis_dims=None) -> float:
   """Duration of one collective op under the project's ICI model (timing.py).
 
   axis_dims: per profile dim, how many torus dims the profile's bandwidth for that dim
@@ -996,7 +1006,7 @@ def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> floa
 
   Example (a 1D all-gather on an axis that spans two torus dims):
     >>> p = load_profile("tpu-v4")
-    >>> op = Op(name="ag", opcode="all-gather", kind="collective", bytes=4 * 2**21,
+    >>> op = CompiledOp(name="ag", opcode="all-gather", kind="collective", bytes=4 * 2**21,
     ...         collective="all-gather", group=(0, 1, 2, 3), link=1, ring_dims=1)
     >>> full, one = collective_seconds(op, p), collective_seconds(op, p, (1, 2))
     >>> round((one - 13e-6 - 15e-6) / (full - 13e-6 - 15e-6), 6)
@@ -1022,7 +1032,7 @@ def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> floa
   return 0.0
 
 
-def simulate(schedule: Schedule | str, profile: HardwareProfile | str = "tpu-v4", *,
+def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = "tpu-v4", *,
              clock_hz: float | None = None, axis_dims=None) -> Simulation:
   """Walk the schedule: compiler cycles on one compute stream, collectives on one link
   stream per profile dim; async collectives overlap what runs between start and done,
