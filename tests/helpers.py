@@ -26,10 +26,15 @@ def assert_trees_close(a, b, dtype=jnp.float32, scale=1.0):
     np.testing.assert_allclose(x, y, rtol=tol, atol=tol * max(1.0, float(np.abs(y).max())))
 
 
+# The kinds collective_counts reports: tests compare whole dicts of these.
+COUNTED = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+
 def collective_counts(hlo_text):
-  """{collective kind: how many appear in the HLO text}: each instruction once, loop
-  bodies included once (`meshslice.hlo.collective_stats(..., loops=False)`)."""
-  return collective_stats(hlo_text, loops=False)["count"]
+  """{kind: how many appear in the HLO text} for the COUNTED kinds: each instruction once,
+  loop bodies included once (`meshslice.hlo.collective_stats(..., loops=False)`)."""
+  count = collective_stats(hlo_text, loops=False)["count"]
+  return {kind: count[kind] for kind in COUNTED}
 
 
 def shard_map_bodies(fn, *args):
