@@ -163,6 +163,8 @@ def tuple_elements(type_text: str) -> list[str]:
 
 def strip_comments(line: str) -> str:
   """The line without its /* comments */ (strings untouched)."""
+  if "/*" not in line:
+    return line                     # most lines: skip the regex (it is on every line)
   return _STRING_OR_COMMENT.sub(lambda m: m.group(1) or "", line)
 
 
