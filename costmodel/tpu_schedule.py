@@ -465,8 +465,8 @@ class _Reader:
     moved = hlo_text.moved_bytes(collective, size, len(group))
     emitter, ring_dims = _strategy(instr.attrs)
     return CompiledOp(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=size,
-              collective=collective, group=tuple(group), moved_bytes=moved, link=link,
-              partner=partner, emitter=emitter, ring_dims=ring_dims)
+                      collective=collective, group=tuple(group), moved_bytes=moved,
+                      link=link, partner=partner, emitter=emitter, ring_dims=ring_dims)
 
   def op(self, comp: Computation, instr: Instr) -> CompiledOp:
     opcode = instr.opcode
@@ -514,7 +514,7 @@ class _Reader:
         # compute fused with the continuation of a collective in flight: the collective is
         # timed by its start / done pair, this fusion's cycles are compute
         op = CompiledOp(kind="dot" if inner["opcodes"] & {"convolution", "dot"} else "other",
-                flops=inner["flops"], continuation=True, **base)
+                        flops=inner["flops"], continuation=True, **base)
         return self._dot(op)
       if inner["collectives"] and not inner["opcodes"] & {"convolution", "dot"}:
         return self._collective_fusion(instr, inner["collectives"][0])
@@ -1007,7 +1007,7 @@ def collective_seconds(op: CompiledOp, profile: HardwareProfile, axis_dims=None)
   Example (a 1D all-gather on an axis that spans two torus dims):
     >>> p = load_profile("tpu-v4")
     >>> op = CompiledOp(name="ag", opcode="all-gather", kind="collective", bytes=4 * 2**21,
-    ...         collective="all-gather", group=(0, 1, 2, 3), link=1, ring_dims=1)
+    ...                 collective="all-gather", group=(0, 1, 2, 3), link=1, ring_dims=1)
     >>> full, one = collective_seconds(op, p), collective_seconds(op, p, (1, 2))
     >>> round((one - 13e-6 - 15e-6) / (full - 13e-6 - 15e-6), 6)
     2.0
