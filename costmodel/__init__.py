@@ -17,7 +17,7 @@ never imports the pass or the rewrites.
   calibrate     the measurement harness and `python -m meshslice calibrate`
   xla_baseline  CompilerTerms, candidates re-priced as compiled, XLA's own program
   compiler_fit  CompilerTerms fitted to compiled single-GEMM programs
-  hlo_text      the HLO text parser
+  hlo_text      the one HLO text parser: types and bytes, replica groups, trip counts
   tpu_schedule  compiled TPU programs read as schedules: summarize, simulate
 
 Example:

@@ -6,15 +6,16 @@ appear in the order they run, and most carry the compiler's own cost estimate in
 backend config (`"estimated_cycles":"151690"`, chip cycles). This module turns that text
 into data and walks it:
 
-  read_schedule(text)  -> Schedule: per instruction of the entry computation, in order,
-                          with `while` loops as Loop entries (body + trip count);
-                          `Schedule.expanded()` repeats each body trip-count times
+  read_schedule(text)  -> CompiledSchedule: a CompiledOp per instruction of the entry
+                          computation, in order, with `while` loops as Loop entries
+                          (body + trip count); `.expanded()` repeats each body
+                          trip-count times
   summarize(schedule)  -> Summary: compute cycles (dot / relayout copy / other),
                           collectives by kind (count, bytes), sync vs async, loops,
                           windowed-einsum loops
   simulate(schedule, profile) -> Simulation: the predicted step time
 
-What an instruction is (`Op.kind`):
+What an instruction is (`CompiledOp.kind`):
 
   dot          a convolution / dot, or a fusion whose computation contains one
   copy         a relayout: a `copy` (or a fusion that is only a copy / transpose) whose
@@ -30,16 +31,20 @@ What an instruction is (`Op.kind`):
                scheduled between a start and its done runs while the collective moves.
   dma          async memory moves with no compute estimate (copy-start/-done,
                slice-start/-done): not modelled
-  loop         a `while` (Schedule entries of type Loop)
+  loop         a `while` (CompiledSchedule entries of type Loop)
   other        everything else: elementwise fusions, slices, reductions (their
                estimated cycles count as compute), and free ops (parameter, bitcast,
                get-tuple-element, tuple, constant)
 
+Parsing. The text is read by `costmodel.hlo_text` (the one HLO text parser, shared with
+`meshslice.hlo`): types and bytes, replica groups, bytes moved, trip counts.
+
 Trip counts. A `while` runs its body `known_trip_count` times when the compiler states it
-in the backend config; otherwise the bound is the integer constant its condition compares
-the loop counter with (`i < 4`: 4 trips, `i <= 4`: 5; counters are assumed to start at
-the constant the loop's initial tuple gives them, or 0). A loop whose trip count cannot
-be read counts once (`Loop.trip_count_known` is False).
+in the backend config; otherwise the loop's induction variable is followed
+(`hlo_text.trip_count`: the counter starts at a constant of the initial tuple, the body
+adds or subtracts a constant, the condition compares it with a constant: `i < 4` from 0
+by 1 is 4 trips, `i <= 9` by 3 is 4, `i >= 0` from 5 by -1 is 6). A loop whose trip
+count cannot be read counts once (`Loop.trip_count_known` is False).
 
 Windowed einsum. XLA's collective matmul ("windowed einsum") compiles a sharded matmul
 into a `while` whose body passes chunks around a ring with collective-permutes and
@@ -50,19 +55,20 @@ Compute inside async collective fusions. With libtpu's async collective fusion
 (`--xla_tpu_enable_async_collective_fusion=true`), the compute that overlaps a collective
 is fused with the collective's continuation (`async_collective_fusion.N`, a kOutput
 fusion whose computation repeats the collective and whose operands are the start's
-outputs). Such a fusion is compute (`Op.continuation`; kind "dot" when it holds a dot,
-else "other", e.g. an attention softmax), never another collective: the collective is
+outputs). Such a fusion is compute (`CompiledOp.continuation`; kind "dot" when it holds a
+dot, else "other", e.g. an attention softmax), never another collective: the collective is
 timed by its start / done pair. On libtpu 0.0.42 such fusions carry their own estimated
-cycles; the start and done fusions do not (they issue and wait). Any dot-bearing fusion without an estimate
-gets one from its FLOPs at the chip's peak (`Op.cycles_source == "flops"`), so nothing
-is silently free; compiling the same program a second time without the async flags
-gives the compiler's own estimate for the same work (`meshslice.aot` does both).
+cycles; the start and done fusions do not (they issue and wait). Any dot-bearing fusion
+without an estimate gets one from its FLOPs at the chip's peak
+(`CompiledOp.cycles_source == "flops"`), so nothing is silently free; compiling the same
+program a second time without the async flags gives the compiler's own estimate for the
+same work (`meshslice.aot` does both).
 
-Bytes. `Op.bytes` is the size of the result (for an async start: of the collective's
-output). `Op.moved_bytes` is what one device sends for a collective, assuming rings over
-a group of n devices (as `meshslice.hlo` counts them): all-gather and all-to-all result *
-(n-1)/n, reduce-scatter result * (n-1), all-reduce 2 * result * (n-1)/n,
-collective-permute result.
+Bytes. `CompiledOp.bytes` is the size of the result (for an async start: of the
+collective's output). `CompiledOp.moved_bytes` is what one device sends for a collective,
+assuming rings over a group of n devices (`hlo_text.moved_bytes`, as `meshslice.hlo`
+counts them): all-gather and all-to-all result * (n-1)/n, reduce-scatter result * (n-1),
+all-reduce 2 * result * (n-1)/n, collective-permute result.
 
 Simulation (`simulate`). One compute stream and one link stream per profile dim (0, 1):
 
@@ -81,16 +87,17 @@ times. Compute cycles are the compiler's (or FLOP-derived, see above).
 
 Links per collective. A mesh axis may span several torus dims, and `profile_for_mesh`
 sums their links; libtpu need not use them all. Each collective's backend config names
-the algorithm it chose (`Op.emitter`: "1DAllGatherNonMajorDim", "2DAllGatherOnMajorDim",
-"StrategyRing{colors:1 ...}", "UniDirectionNDRingStrategy{... cores:{4 4}}", ...), read
-as the torus dims it drives (`Op.ring_dims`); given `axis_dims` (the torus dims each
-profile dim's bandwidth sums: `axis_torus_dims(profile, mesh_shape)`), `simulate` gives
-the collective that share of the axis's bandwidth. Measured on libtpu 0.0.42: on
-v4:4x4x4 a 16-chip axis (two torus dims) gets 1D all-gathers and a single-ring
-reduce-scatter but a 2-dim all-reduce; on v4:2x2x2 the 4-chip axis gets 2D all-gathers.
+the algorithm it chose (`CompiledOp.emitter`: "1DAllGatherNonMajorDim",
+"2DAllGatherOnMajorDim", "StrategyRing{colors:1 ...}", "UniDirectionNDRingStrategy{...
+cores:{4 4}}", ...), read as the torus dims it drives (`CompiledOp.ring_dims`); given
+`axis_dims` (the torus dims each profile dim's bandwidth sums: `axis_torus_dims(profile,
+mesh_shape)`), `simulate` gives the collective that share of the axis's bandwidth.
+Measured on libtpu 0.0.42: on v4:4x4x4 a 16-chip axis (two torus dims) gets 1D
+all-gathers and a single-ring reduce-scatter but a 2-dim all-reduce; on v4:2x2x2 the
+4-chip axis gets 2D all-gathers.
 Async collective fusions name no algorithm: they take the one libtpu chose for a
 collective of the same kind over the same group shape elsewhere in the program
-(`Op.ring_dims_source == "same-axis"`), else (none) keep the whole axis.
+(`CompiledOp.ring_dims_source == "same-axis"`), else (none) keep the whole axis.
 
 Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   >>> text = '''
@@ -109,42 +116,29 @@ Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
 from typing import Iterator, Union
 
-import numpy as np
-
+from . import hlo_text
+from .hlo_text import COLLECTIVES, Computation, Instr, arrays, nbytes
 from .profiles import HardwareProfile, load_profile
 from .timing import all_reduce_time, collective_time, permute_time
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-               "collective-permute")
 KINDS = ("dot", "copy", "collective", "start", "done", "dma", "loop", "other")
 
 # Clock of each TPU generation's TensorCore (Hz): estimated_cycles / clock = seconds.
-# v4: 1.05 GHz (DESIGN.md section 6b). v5e: 1.5 GHz, v5p: 1.75 GHz, v6e: 1.75 GHz:
-# public bf16 peaks (1.97e14, 4.59e14, 9.18e14 FLOP/s) divided by the MXU FLOPs per cycle
-# (v5e 4 x 128x128 MXUs, v5p 2 cores x 4 x 128x128, v6e 4 x 256x256; 2 FLOPs per MAC).
+# v4: 1.05 GHz, v5e: 1.5 GHz, v5p: 1.75 GHz, v6e: 1.75 GHz: public bf16 peaks (2.75e14,
+# 1.97e14, 4.59e14, 9.18e14 FLOP/s) divided by the MXU FLOPs per cycle (v4 2 cores x 4 x
+# 128x128 MXUs, v5e 4 x 128x128, v5p 2 cores x 4 x 128x128, v6e 4 x 256x256; 2 FLOPs per
+# MAC); docs/tpu.md compares them with the compiler's own estimates.
 CLOCK_HZ = {"tpu-v4": 1.05e9, "tpu-v5e": 1.5e9, "tpu-v5p": 1.75e9, "tpu-v6e": 1.75e9}
 # Dense bf16 MXU FLOPs per cycle per chip (the peak the FLOP-based fallback divides by).
 FLOPS_PER_CYCLE = {"tpu-v4": 262144, "tpu-v5e": 131072, "tpu-v5p": 262144,
                    "tpu-v6e": 524288}
 
-_ITEMSIZE = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-             "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
-             "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0}
-_COMMENT = re.compile(r"/\*.*?\*/")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-_CALLS = re.compile(r"\b(calls|to_apply|condition|body|branch_computations|"
-                    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 _FREE = frozenset(("parameter", "get-tuple-element", "tuple", "bitcast", "constant",
                    "after-all", "partition-id", "replica-id", "opt-barrier",
                    "optimization-barrier", "add-dependency"))
@@ -153,213 +147,32 @@ _DMA = frozenset(("copy-start", "copy-done", "slice-start", "slice-done", "send"
 
 
 # ----------------------------------------------------------------------------- parsing
+# The text itself is read by costmodel.hlo_text; what follows is what a schedule needs.
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _Instr:
-  name: str
-  type_text: str
-  opcode: str
-  operands: tuple[str, ...]
-  attrs: str
-  root: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _Computation:
-  name: str
-  entry: bool
-  instrs: dict          # name -> _Instr, in schedule (text) order
-
-
-def _close_paren(text: str) -> int:
-  """Index of the ')' closing an already-open '(' in `text` (or len(text))."""
-  depth = 1
-  for i, ch in enumerate(text):
-    if ch in "({[":
-      depth += 1
-    elif ch in ")}]":
-      depth -= 1
-      if depth == 0:
-        return i
-  return len(text)
-
-
-def _parse_line(line: str) -> _Instr | None:
-  match = _INSTR.match(line)
-  if not match:
-    return None
-  root, name, type_text, opcode, rest = match.groups()
-  end = _close_paren(rest)
-  args, attrs = rest[:end], rest[end + 1:]
-  operands = () if opcode in ("constant", "parameter") else tuple(
-      re.findall(r"%([\w.\-]+)", args))
-  if opcode == "constant":
-    attrs = f"value=({args}) {attrs}"
-  elif opcode == "parameter":
-    attrs = f"number=({args}) {attrs}"
-  return _Instr(name=name, type_text=type_text.strip(), opcode=opcode, operands=operands,
-                attrs=attrs, root=bool(root))
+def _parsed(text: str) -> hlo_text.Module:
+  module = hlo_text.parse(text)
+  if module.entry is None and module.computations:
+    raise ValueError("the HLO text has no ENTRY computation; pass the whole module "
+                     "(compiled.as_text()), not a fragment")
+  return module
 
 
 def parse_module(text: str) -> tuple[dict, str | None, dict]:
-  """({computation name: _Computation}, entry name, module attributes) of HLO text.
+  """({computation name: hlo_text.Computation}, entry name, module attributes) of HLO
+  text; a ValueError for text without an ENTRY computation.
 
   Module attributes: `num_partitions`, `replica_count` (ints) and `is_scheduled` (bool)
   from the HloModule line.
   """
-  comps, entry, module = {}, None, {}
-  current, instrs = None, None
-  for raw in text.splitlines():
-    if raw.startswith("HloModule"):
-      module = {k: int(v) for k, v in re.findall(r"\b(num_partitions|replica_count)=(\d+)",
-                                                  raw)}
-      module["is_scheduled"] = "is_scheduled=true" in raw
-      continue
-    if not raw[:1].isspace() and raw.rstrip().endswith("{"):
-      header = _HEADER.match(_COMMENT.sub("", raw))
-      if header:
-        current, instrs = header.group(2), {}
-        if header.group(1):
-          entry = current
-        continue
-    if current is not None and raw.strip() == "}":
-      comps[current] = _Computation(name=current, entry=current == entry, instrs=instrs)
-      current = None
-      continue
-    if current is not None:
-      instr = _parse_line(_COMMENT.sub("", raw))
-      if instr is not None:
-        instrs[instr.name] = instr
-  if entry is None and comps:
-    raise ValueError("the HLO text has no ENTRY computation; pass the whole module "
-                     "(compiled.as_text()), not a fragment")
-  return comps, entry, module
-
-
-def _called(instr: _Instr) -> dict:
-  """{role: [computation names]} of an instruction (calls=, body=, condition=, ...)."""
-  out = {}
-  for role, names in _CALLS.findall(instr.attrs):
-    out.setdefault(role, []).extend(re.findall(r"%?([\w.\-]+)", names.strip("{}")))
-  return out
-
-
-def _arrays(type_text: str):
-  """[(dtype, dims, layout text)] of every array in a (possibly tuple) type."""
-  out = []
-  for dtype, dims, layout in _ARRAY.findall(type_text):
-    if dtype in _ITEMSIZE:
-      out.append((dtype, tuple(int(d) for d in dims.split(",") if d), layout or ""))
-  return out
-
-
-def _nbytes(type_text: str) -> int:
-  return int(sum(math.prod(dims) * _ITEMSIZE[dtype] for dtype, dims, _ in _arrays(type_text)))
+  module = _parsed(text)
+  return module.computations, module.entry, {
+      "num_partitions": module.num_partitions, "replica_count": module.replica_count,
+      "is_scheduled": module.is_scheduled}
 
 
 def _layout_key(type_text: str) -> tuple:
   """The layouts of a type, memory space (S(n)) removed: what a relayout changes."""
-  return tuple(re.sub(r"S\(\d+\)", "", layout) for _, _, layout in _arrays(type_text))
-
-
-def _top_level_parts(type_text: str) -> list[str]:
-  """Elements of a tuple type '(a, b, ...)' (or [type_text] for an array type)."""
-  text = type_text.strip()
-  if not text.startswith("("):
-    return [text]
-  parts, depth, start = [], 0, 1
-  for i, ch in enumerate(text[1:-1], start=1):
-    if ch in "({[":
-      depth += 1
-    elif ch in ")}]":
-      depth -= 1
-    elif ch == "," and depth == 0:
-      parts.append(text[start:i].strip())
-      start = i + 1
-  parts.append(text[start:-1].strip())
-  return [p for p in parts if p]
-
-
-def _mesh_device_ids(text: str, size: int):
-  """The partition ids of a `mesh[...]` replica group's `device_ids=(...)`, in mesh
-  order: an iota `[4,16,4]T(0,2,1)` (0..n-1 reshaped to those dims, transposed, read
-  out; as libtpu 0.0.42 prints them), `[a,b]<=[n]` / `<=[a,b]T(1,0)`, or a flat list of
-  ints; None when unread."""
-  text = text.strip()
-  iota = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text) or \
-      re.search(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
-  if iota:
-    dims = [int(d) for d in iota.group(1).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if iota.group(2):
-      ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
-    ids = ids.ravel()
-  else:
-    ids = np.array([int(v) for v in re.findall(r"-?\d+", text)], dtype=np.int64)
-  return ids if ids.size == size else None
-
-
-def _replica_group(attrs: str, devices: int) -> tuple[int, ...]:
-  """The first replica group of a collective, as partition ids (empty if unknown).
-
-  Forms read: `{{0,1},{2,3}}`, iota `[2,2]<=[4]T(1,0)`, `{}` (all devices), mesh axes
-  `mesh['x'=2,'y'=4] {'y'}` with an optional `device_ids=(...)` (the mesh's partition
-  ids in mesh order, printed when they are not 0..n-1; with or without quotes and a comma
-  after the mesh), and for collective-permutes the first source/target pair.
-  """
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*,?\s*"
-                   r"(?:device_ids=\((.*?)\)\s*)?\{([^}]*)\}", attrs)
-  if mesh:
-    axes = [(a, int(n)) for a, n in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh.group(1))]
-    shape = [n for _, n in axes] or [1]
-    ids = np.arange(math.prod(shape))
-    if mesh.group(2) is not None:
-      given = _mesh_device_ids(mesh.group(2), ids.size)
-      ids = given if given is not None else ids
-    ids = ids.reshape(shape)
-    # chosen axes: full ('y') or a sub-axis ('y':(p)k: the axis of size n seen as
-    # [p, k, n / (p k)] major to minor, the group varying the middle one)
-    chosen = {}
-    for name, sub in re.findall(r"'?([\w.\-]+)'?\s*(:\(\d+\)\d+)?", mesh.group(3)):
-      size = re.match(r":\((\d+)\)(\d+)", sub) if sub else None
-      chosen[name] = (int(size.group(1)), int(size.group(2))) if size else None
-    index = []
-    for a, n in axes:
-      if a not in chosen:
-        index.append(0)
-      elif chosen[a] is None:
-        index.append(slice(None))
-      else:
-        pre, k = chosen[a]
-        stride = max(1, n // (pre * k))
-        index.append(slice(0, stride * k, stride))
-    return tuple(int(v) for v in ids[tuple(index)].ravel())
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
-  if iota:
-    groups, size = int(iota.group(1)), int(iota.group(2))
-    dims = [int(d) for d in iota.group(3).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if iota.group(4):
-      ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-    return tuple(int(v) for v in ids.reshape(groups, size)[0])
-  explicit = re.search(r"replica_groups=\{\{([0-9,\s]*)\}", attrs)
-  if explicit:
-    return tuple(int(v) for v in explicit.group(1).split(",") if v.strip())
-  if re.search(r"replica_groups=\{\}", attrs):
-    return tuple(range(devices))
-  pairs = re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", attrs)
-  if pairs:
-    return (int(pairs.group(1)), int(pairs.group(2)))
-  return ()
-
-
-def _source_target_pairs(attrs: str) -> tuple[tuple[int, int], ...]:
-  """All (source, target) pairs of a collective-permute."""
-  block = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-  if not block:
-    return ()
-  return tuple((int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}",
-                                                      block.group(0)[len("source_target_pairs="):]))
+  return tuple(re.sub(r"S\(\d+\)", "", layout) for _, _, layout in arrays(type_text))
 
 
 def _permute_link(pairs) -> int:
@@ -433,8 +246,9 @@ def _strategy(attrs: str) -> tuple[str, int]:
 # ----------------------------------------------------------------------------- data
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Op:
-  """One scheduled instruction.
+class CompiledOp:
+  """One scheduled instruction of a compiled program (`Op`, its old name, still works;
+  `costmodel.timing.Op` is a modelled one).
 
   Attributes:
     name, opcode: as in the HLO text.
@@ -517,15 +331,16 @@ class Loop:
   kind: str = "loop"
 
 
-Entry = Union[Op, Loop]
+Entry = Union[CompiledOp, Loop]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
+class CompiledSchedule:
   """The entry computation's scheduled instructions (loops nested as Loop entries).
+  `Schedule`, its old name, still works; `costmodel.timing.Schedule` is a modelled one.
 
   Attributes:
-    entries: Op / Loop records in schedule order.
+    entries: CompiledOp / Loop records in schedule order.
     num_partitions: devices the program is partitioned over (from the HloModule line).
     scheduled: the module says `is_scheduled=true` (text order is the run order).
   """
@@ -534,8 +349,8 @@ class Schedule:
   num_partitions: int = 1
   scheduled: bool = True
 
-  def expanded(self) -> Iterator[Op]:
-    """Every Op in run order, each loop body repeated trip_count times."""
+  def expanded(self) -> Iterator[CompiledOp]:
+    """Every CompiledOp in run order, each loop body repeated trip_count times."""
     yield from _expand(self.entries)
 
   def loops(self) -> list[Loop]:
@@ -550,7 +365,13 @@ class Schedule:
     return out
 
 
-def _expand(entries) -> Iterator[Op]:
+# The old names (timing.Schedule / timing.Op are the cost model's own: two of each in one
+# package was confusing).
+Op = CompiledOp
+Schedule = CompiledSchedule
+
+
+def _expand(entries) -> Iterator[CompiledOp]:
   for e in entries:
     if isinstance(e, Loop):
       for _ in range(e.trip_count):
@@ -559,7 +380,7 @@ def _expand(entries) -> Iterator[Op]:
       yield e
 
 
-def _weighted(entries, times: int = 1) -> Iterator[tuple[Op, int]]:
+def _weighted(entries, times: int = 1) -> Iterator[tuple[CompiledOp, int]]:
   """(op, how often it runs) without repeating bodies: for totals on big loops."""
   for e in entries:
     if isinstance(e, Loop):
@@ -571,11 +392,12 @@ def _weighted(entries, times: int = 1) -> Iterator[tuple[Op, int]]:
 # ----------------------------------------------------------------------------- reading
 
 class _Reader:
-  """Builds Op / Loop records from parsed computations."""
+  """Builds CompiledOp / Loop records from parsed computations."""
 
-  def __init__(self, comps: dict, devices: int, chip: str):
-    self.comps = comps
-    self.devices = devices
+  def __init__(self, module: hlo_text.Module, chip: str):
+    self.module = module
+    self.comps = module.computations
+    self.devices = module.devices
     self.flops_per_cycle = FLOPS_PER_CYCLE.get(chip, FLOPS_PER_CYCLE["tpu-v4"])
     self._contents = {}
 
@@ -594,9 +416,9 @@ class _Reader:
           out["targets"].add(target.group(1))
         if instr.opcode in ("convolution", "dot"):
           out["flops"] += self.dot_flops(comp, instr)
-        if instr.opcode in COLLECTIVES or instr.opcode.removesuffix("-start") in COLLECTIVES:
+        if hlo_text.collective_kind(instr.opcode):
           out["collectives"].append(instr)
-        for names in _called(instr).values():
+        for names in instr.called().values():
           for name in names:
             inner = self.contents(name)
             out["opcodes"] |= inner.get("opcodes", set())
@@ -606,13 +428,13 @@ class _Reader:
     self._contents[comp_name] = out
     return out
 
-  def dot_flops(self, comp: _Computation, instr: _Instr) -> float:
+  def dot_flops(self, comp: Computation, instr: Instr) -> float:
     """2 * output elements * contracted size of a dot / convolution."""
-    out = _arrays(instr.type_text)
+    out = arrays(instr.type_text)
     if not out or not instr.operands:
       return 0.0
     lhs = comp.instrs.get(instr.operands[0])
-    lhs_arrays = _arrays(lhs.type_text) if lhs is not None else []
+    lhs_arrays = arrays(lhs.type_text) if lhs is not None else []
     if not lhs_arrays:
       return 0.0
     lhs_dims = lhs_arrays[0][1]
@@ -629,65 +451,57 @@ class _Reader:
         k *= math.prod(int(v) for v in window.group(1).split("x"))
     return 2.0 * math.prod(out[0][1]) * k
 
-  def collective_op(self, instr: _Instr, kind_name: str, collective: str, *,
-                    result_type: str, partner: str = "") -> Op:
-    group = _replica_group(instr.attrs, self.devices)
+  def collective_op(self, instr: Instr, kind_name: str, collective: str, *,
+                    result_type: str, partner: str = "") -> CompiledOp:
+    group = hlo_text.replica_group(instr.attrs, self.devices)
+    size = nbytes(result_type)
     if collective == "collective-permute":
       group = group if group else (0, 1)      # (source, target) of its first pair
-      nbytes = _nbytes(result_type)
-      moved = float(nbytes)
-      pairs = _source_target_pairs(instr.attrs) or (tuple(group[:2]),)
+      pairs = hlo_text.source_target_pairs(instr.attrs) or (tuple(group[:2]),)
       link = _permute_link(pairs)
     else:
-      nbytes = _nbytes(result_type)
-      n = max(1, len(group))
-      moved = {"all-gather": nbytes * (n - 1) / n, "all-to-all": nbytes * (n - 1) / n,
-               "reduce-scatter": float(nbytes * (n - 1)),
-               "all-reduce": 2 * nbytes * (n - 1) / n}[collective]
       ids = sorted(group)         # a mesh group with device_ids may list them permuted
       link = 1 if len(ids) > 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])) else 0
+    moved = hlo_text.moved_bytes(collective, size, len(group))
     emitter, ring_dims = _strategy(instr.attrs)
-    return Op(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=nbytes,
-              collective=collective, group=tuple(group), moved_bytes=moved, link=link,
-              partner=partner, emitter=emitter, ring_dims=ring_dims)
+    return CompiledOp(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=size,
+                      collective=collective, group=tuple(group), moved_bytes=moved,
+                      link=link, partner=partner, emitter=emitter, ring_dims=ring_dims)
 
-  def op(self, comp: _Computation, instr: _Instr) -> Op:
+  def op(self, comp: Computation, instr: Instr) -> CompiledOp:
     opcode = instr.opcode
     cycles = _CYCLES.search(instr.attrs)
     cycles = int(cycles.group(1)) if cycles else 0
     base = dict(name=instr.name, opcode=opcode, cycles=cycles,
-                cycles_source="compiler" if cycles else "", bytes=_nbytes(instr.type_text))
+                cycles_source="compiler" if cycles else "", bytes=nbytes(instr.type_text))
     if opcode in COLLECTIVES:
       return self.collective_op(instr, "collective", opcode, result_type=instr.type_text)
     stem = opcode.removesuffix("-start").removesuffix("-done")
     if stem in COLLECTIVES and opcode != stem:
-      parts = _top_level_parts(instr.type_text)
-      # all-gather-start etc. return (operands, outputs[, ...]); all-reduce-start the output
-      result = parts[1] if opcode.endswith("-start") and len(parts) >= 2 \
-          and stem != "all-reduce" else instr.type_text
+      result = hlo_text.collective_output_type(opcode, instr.type_text)
       return self.collective_op(instr, "start" if opcode.endswith("-start") else "done",
                                 stem, result_type=result)
     if opcode in ("async-start", "async-done", "async-update"):
-      called = _called(instr).get("calls", [])
+      called = instr.called().get("calls", [])
       inner = self.contents(called[0])["collectives"] if called else []
       if inner and opcode != "async-update":
         c = inner[0]
         return _renamed(self.collective_op(c, "start" if opcode == "async-start" else "done",
                                   c.opcode, result_type=c.type_text), instr)
-      return Op(kind="other", **base)
+      return CompiledOp(kind="other", **base)
     if opcode in _DMA:
-      return Op(kind="dma", **base)
+      return CompiledOp(kind="dma", **base)
     if opcode in _FREE:
-      return Op(kind="other", **base)
+      return CompiledOp(kind="other", **base)
     if opcode == "copy":
       operand = comp.instrs.get(instr.operands[0]) if instr.operands else None
       relayout = operand is not None and _layout_key(operand.type_text) != _layout_key(
           instr.type_text)
-      return Op(kind="copy" if relayout else "other", relayout=relayout, **base)
+      return CompiledOp(kind="copy" if relayout else "other", relayout=relayout, **base)
     if opcode in ("convolution", "dot"):
-      return self._dot(Op(kind="dot", flops=self.dot_flops(comp, instr), **base))
+      return self._dot(CompiledOp(kind="dot", flops=self.dot_flops(comp, instr), **base))
     if opcode == "fusion":
-      called = _called(instr).get("calls", [])
+      called = instr.called().get("calls", [])
       inner = self.contents(called[0]) if called else {"opcodes": set(), "targets": set(),
                                                        "flops": 0.0, "collectives": []}
       if "AsyncCollectiveStart" in inner["targets"] or "AsyncCollectiveDone" in inner["targets"]:
@@ -699,24 +513,24 @@ class _Reader:
       if inner["collectives"] and self._is_continuation(comp, instr):
         # compute fused with the continuation of a collective in flight: the collective is
         # timed by its start / done pair, this fusion's cycles are compute
-        op = Op(kind="dot" if inner["opcodes"] & {"convolution", "dot"} else "other",
-                flops=inner["flops"], continuation=True, **base)
+        op = CompiledOp(kind="dot" if inner["opcodes"] & {"convolution", "dot"} else "other",
+                        flops=inner["flops"], continuation=True, **base)
         return self._dot(op)
       if inner["collectives"] and not inner["opcodes"] & {"convolution", "dot"}:
         return self._collective_fusion(instr, inner["collectives"][0])
       if inner["opcodes"] & {"convolution", "dot"}:
-        return self._dot(Op(kind="dot", flops=inner["flops"], **base))
+        return self._dot(CompiledOp(kind="dot", flops=inner["flops"], **base))
       if called and self._is_relayout_fusion(comp, instr, called[0]):
-        return Op(kind="copy", relayout=True, **base)
-    return Op(kind="other", **base)
+        return CompiledOp(kind="copy", relayout=True, **base)
+    return CompiledOp(kind="other", **base)
 
-  def _is_continuation(self, comp: _Computation, instr: _Instr) -> bool:
+  def _is_continuation(self, comp: Computation, instr: Instr) -> bool:
     """A fusion that continues an async collective fusion (libtpu's
     `async_collective_fusion.N`): its computation is named so, or one of its operands
     (through get-tuple-elements and bitcasts) is an `AsyncCollectiveStart` fusion whose
     collective is the same kind as the one this fusion holds. (A synchronous collective
     fusion fed by a continuation's result, such as the dense reduce-scatter, is not.)"""
-    called = _called(instr).get("calls", [])
+    called = instr.called().get("calls", [])
     if called and called[0].startswith("async_collective_fusion"):
       return True
     mine = {c.opcode for c in self.contents(called[0])["collectives"]} if called else set()
@@ -727,25 +541,25 @@ class _Reader:
         source = comp.instrs.get(source.operands[0])
       if source is None or source.opcode != "fusion":
         continue
-      inner = _called(source).get("calls", [])
+      inner = source.called().get("calls", [])
       content = self.contents(inner[0]) if inner else None
       if content and "AsyncCollectiveStart" in content["targets"] and \
           mine & {c.opcode for c in content["collectives"]}:
         return True
     return False
 
-  def _collective_fusion(self, instr: _Instr, inner: _Instr) -> Op:
+  def _collective_fusion(self, instr: Instr, inner: Instr) -> CompiledOp:
     """A synchronous collective the TPU compiler wrapped in a fusion. The dense program's
     reduce-scatters look like this: a kCustom fusion calling `%all-reduce-scatter`, an
     all-reduce whose result is dynamic-sliced to this device's piece (run as one
     reduce-scatter). Counted as that reduce-scatter, of the fusion's (sliced) result."""
-    if inner.opcode == "all-reduce" and _nbytes(instr.type_text) < _nbytes(inner.type_text):
+    if inner.opcode == "all-reduce" and nbytes(instr.type_text) < nbytes(inner.type_text):
       return _renamed(self.collective_op(inner, "collective", "reduce-scatter",
                                          result_type=instr.type_text), instr)
     return _renamed(self.collective_op(inner, "collective", inner.opcode,
                                        result_type=inner.type_text), instr)
 
-  def _dot(self, op: Op) -> Op:
+  def _dot(self, op: CompiledOp) -> CompiledOp:
     if op.cycles or not op.flops:
       return op
     return dataclasses.replace(op, cycles=int(round(op.flops / self.flops_per_cycle)),
@@ -769,7 +583,7 @@ class _Reader:
       if instr.opcode == "while" and depth < 16:
         out.append(self.loop(comp, instr, depth))
       elif instr.opcode in ("call", "conditional") and depth < 16:
-        called = _called(instr)
+        called = instr.called()
         names = called.get("to_apply", []) + called.get("calls", []) + \
             called.get("branch_computations", []) + called.get("true_computation", []) + \
             called.get("false_computation", [])
@@ -784,17 +598,13 @@ class _Reader:
         out.append(self.op(comp, instr))
     return _pair_async(tuple(out), comp)
 
-  def loop(self, comp: _Computation, instr: _Instr, depth: int) -> Loop:
-    called = _called(instr)
+  def loop(self, comp: Computation, instr: Instr, depth: int) -> Loop:
+    called = instr.called()
     body = called.get("body", [""])[0]
     cond = called.get("condition", [""])[0]
-    trips = _TRIP.search(instr.attrs)
-    known = trips is not None
-    count = int(trips.group(1)) if trips else self.condition_bound(comp, instr, cond)
-    if count is None:
-      count, known = 1, False
-    else:
-      known = True
+    count = hlo_text.trip_count(self.module, comp, instr)
+    known = count is not None
+    count = count if known else 1
     body_entries = self.entries(body, depth + 1) if body in self.comps else ()
     content = self.contents(body) if body in self.comps else {"opcodes": set()}
     ops = content.get("opcodes", set())
@@ -804,56 +614,8 @@ class _Reader:
                 body=body_entries, condition=cond, body_computation=body,
                 windowed_einsum=windowed)
 
-  def condition_bound(self, caller: _Computation, instr: _Instr, cond: str) -> int | None:
-    """Trips of `while (i <dir> constant)` counting up by one: the counter starts at the
-    constant the loop's initial tuple gives it (when the condition compares a tuple
-    element of its parameter, directly), else at 0."""
-    comp = self.comps.get(cond)
-    if comp is None:
-      return None
-    inner = [self.comps[n] for i in comp.instrs.values()
-             for n in _called(i).get("calls", []) if n in self.comps]
-    for where in [comp] + inner:
-      for cmp in (i for i in where.instrs.values() if i.opcode == "compare"):
-        values = [_int_constant(where.instrs.get(o)) for o in cmp.operands]
-        if len(values) != 2 or (values[0] is None) == (values[1] is None):
-          continue
-        direction = re.search(r"direction=([A-Z]+)", cmp.attrs)
-        direction = direction.group(1) if direction else "LT"
-        counter = cmp.operands[1] if values[0] is not None else cmp.operands[0]
-        if values[0] is not None:       # constant on the left: flip the comparison
-          direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction,
-                                                                          direction)
-        bound = values[1] if values[1] is not None else values[0]
-        start = self._initial_counter(caller, instr, where, counter) if where is comp else 0
-        if direction in ("LT", "NE"):
-          return max(0, bound - start)
-        if direction == "LE":
-          return max(0, bound - start + 1)
-    return None
 
-  def _initial_counter(self, caller, instr, cond, counter) -> int:
-    """The initial value of tuple element `counter` reads, when the while's operand is a
-    tuple with a constant there; else 0."""
-    gte = cond.instrs.get(counter)
-    index = re.search(r"\bindex=(\d+)", gte.attrs) if gte is not None else None
-    if gte is None or gte.opcode != "get-tuple-element" or index is None:
-      return 0
-    init = caller.instrs.get(instr.operands[0]) if instr.operands else None
-    if init is None or init.opcode != "tuple" or int(index.group(1)) >= len(init.operands):
-      return 0
-    value = _int_constant(caller.instrs.get(init.operands[int(index.group(1))]))
-    return 0 if value is None else value
-
-
-def _int_constant(instr: _Instr | None) -> int | None:
-  if instr is None or instr.opcode != "constant":
-    return None
-  value = re.match(r"value=\((-?\d+)\)", instr.attrs)
-  return int(value.group(1)) if value else None
-
-
-def _renamed(op: Op, instr: _Instr) -> Op:
+def _renamed(op: CompiledOp, instr: Instr) -> CompiledOp:
   """The collective found inside an async wrapper, named after the wrapper instruction
   (and priced by the wrapper's algorithm where the inner collective names none)."""
   emitter, ring_dims = (op.emitter, op.ring_dims) if op.emitter else _strategy(instr.attrs)
@@ -861,19 +623,19 @@ def _renamed(op: Op, instr: _Instr) -> Op:
                              ring_dims=ring_dims)
 
 
-def _operand_names(comp: _Computation, name: str) -> tuple[str, ...]:
+def _operand_names(comp: Computation, name: str) -> tuple[str, ...]:
   instr = comp.instrs.get(name)
   return instr.operands if instr is not None else ()
 
 
-def _pair_async(entries: tuple, comp: _Computation) -> tuple:
+def _pair_async(entries: tuple, comp: Computation) -> tuple:
   """Link each async done to its start (following operands back through
   get-tuple-elements and continuation fusions), and record what runs in between."""
   position = {e.name: i for i, e in enumerate(entries)}
-  starts = {e.name for e in entries if isinstance(e, Op) and e.kind == "start"}
+  starts = {e.name for e in entries if isinstance(e, CompiledOp) and e.kind == "start"}
   pairs = {}
   for i, e in enumerate(entries):
-    if not (isinstance(e, Op) and e.kind == "done"):
+    if not (isinstance(e, CompiledOp) and e.kind == "done"):
       continue
     frontier, seen, found = list(_operand_names(comp, e.name)), set(), None
     while frontier and found is None:
@@ -898,8 +660,8 @@ def _pair_async(entries: tuple, comp: _Computation) -> tuple:
   return tuple(out)
 
 
-def read_schedule(text: str, *, chip: str = "tpu-v4") -> Schedule:
-  """The entry computation of compiled (scheduled) HLO text, as Op / Loop records.
+def read_schedule(text: str, *, chip: str = "tpu-v4") -> CompiledSchedule:
+  """The entry computation of compiled (scheduled) HLO text, as CompiledOp / Loop records.
 
   chip: the profile name of the TPU generation (sets the FLOPs per cycle of the fallback
   estimate for dot fusions the compiler gave no cycles; see the module docstring).
@@ -908,19 +670,18 @@ def read_schedule(text: str, *, chip: str = "tpu-v4") -> Schedule:
     >>> s = read_schedule(compiled.as_text())                        # doctest: +SKIP
     >>> [op.name for op in s.expanded() if op.kind == "copy"]         # doctest: +SKIP
   """
-  comps, entry, module = parse_module(text)
-  if entry is None:
+  module = _parsed(text)
+  if module.entry is None:
     raise ValueError("read_schedule needs HLO text with an ENTRY computation")
-  devices = module.get("num_partitions", 1) * module.get("replica_count", 1)
-  reader = _Reader(comps, devices, chip)
-  return Schedule(entries=_infer_ring_dims(reader.entries(entry)), num_partitions=devices,
-                  scheduled=module.get("is_scheduled", False))
+  reader = _Reader(module, chip)
+  return CompiledSchedule(entries=_infer_ring_dims(reader.entries(module.entry)),
+                  num_partitions=module.devices, scheduled=module.is_scheduled)
 
 
 def _infer_ring_dims(entries: tuple) -> tuple:
   """Collectives whose config names no algorithm (libtpu's async collective fusions)
   take the torus dims libtpu chose for the same kind of collective over the same group
-  shape elsewhere in the program (`Op.ring_dims_source` "same-axis"), the fewest where
+  shape elsewhere in the program (`CompiledOp.ring_dims_source` "same-axis"), the fewest where
   it chose several: priced like their synchronous siblings, not on every link."""
   known = {}
   def key(op):
@@ -986,8 +747,8 @@ class Summary:
     return float(sum(self.collective_bytes.values()))
 
 
-def summarize(schedule: Schedule | str) -> Summary:
-  """Totals of a Schedule (or of HLO text, read with default options)."""
+def summarize(schedule: CompiledSchedule | str) -> Summary:
+  """Totals of a CompiledSchedule (or of HLO text, read with default options)."""
   if isinstance(schedule, str):
     schedule = read_schedule(schedule)
   by_kind = {"dot": 0, "copy": 0}
@@ -1127,7 +888,7 @@ def scheduler_cycles(log, entry: str | None = None) -> float | None:
   return (named or totals)[-1].cycles
 
 
-def scheduler_loop_cycles(log, schedule: "Schedule") -> float:
+def scheduler_loop_cycles(log, schedule: "CompiledSchedule") -> float:
   """What libtpu's scheduler logged for the bodies of the schedule's `while` loops, each
   body's "Total cycles" times the times it runs (trip counts, nested loops multiplied);
   bodies it did not log count 0. The entry computation's total counts a `while` as one
@@ -1140,7 +901,7 @@ def scheduler_loop_cycles(log, schedule: "Schedule") -> float:
     ... x latency_hiding_scheduler.cc:1] Total cycles: 100'''
     >>> loop = Loop(name="w", trip_count=8, trip_count_known=True, body=(),
     ...             body_computation="body")
-    >>> scheduler_loop_cycles(log, Schedule(entries=(loop,)))
+    >>> scheduler_loop_cycles(log, CompiledSchedule(entries=(loop,)))
     800.0
   """
   totals = read_scheduler_log(log) if isinstance(log, str) else list(log)
@@ -1233,7 +994,7 @@ class Simulation:
   profile: str
 
 
-def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> float:
+def collective_seconds(op: CompiledOp, profile: HardwareProfile, axis_dims=None) -> float:
   """Duration of one collective op under the project's ICI model (timing.py).
 
   axis_dims: per profile dim, how many torus dims the profile's bandwidth for that dim
@@ -1245,8 +1006,8 @@ def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> floa
 
   Example (a 1D all-gather on an axis that spans two torus dims):
     >>> p = load_profile("tpu-v4")
-    >>> op = Op(name="ag", opcode="all-gather", kind="collective", bytes=4 * 2**21,
-    ...         collective="all-gather", group=(0, 1, 2, 3), link=1, ring_dims=1)
+    >>> op = CompiledOp(name="ag", opcode="all-gather", kind="collective", bytes=4 * 2**21,
+    ...                 collective="all-gather", group=(0, 1, 2, 3), link=1, ring_dims=1)
     >>> full, one = collective_seconds(op, p), collective_seconds(op, p, (1, 2))
     >>> round((one - 13e-6 - 15e-6) / (full - 13e-6 - 15e-6), 6)
     2.0
@@ -1271,7 +1032,7 @@ def collective_seconds(op: Op, profile: HardwareProfile, axis_dims=None) -> floa
   return 0.0
 
 
-def simulate(schedule: Schedule | str, profile: HardwareProfile | str = "tpu-v4", *,
+def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = "tpu-v4", *,
              clock_hz: float | None = None, axis_dims=None) -> Simulation:
   """Walk the schedule: compiler cycles on one compute stream, collectives on one link
   stream per profile dim; async collectives overlap what runs between start and done,

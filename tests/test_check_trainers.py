@@ -483,8 +483,9 @@ def test_check_skip_reason_is_not_cut_mid_word():
 
 def test_check_scan_reference_reads_scan_params_through_the_shim(monkeypatch):
   counted = []
-  real = check_module.scan_counts
-  monkeypatch.setattr(check_module, "scan_counts",
+  reference_module = importlib.import_module("meshslice.reference")
+  real = reference_module.scan_counts
+  monkeypatch.setattr(reference_module, "scan_counts",
                       lambda params: counted.append(1) or real(params))
   m = mesh((2, 2))
   xs, ws = NamedSharding(m, P("x", "y")), NamedSharding(m, P(None, "x", "y"))

@@ -5,9 +5,9 @@ device_ids, and libtpu's own latency-hiding-scheduler totals and peak memory.
 
 The HLO snippets are trimmed from programs compiled with libtpu 0.0.42 (jax 0.10.2) for
 v4:2x2x2 and v4:4x4x4; the backend-config strings are verbatim. Hand-checked figures use
-the shipped tpu-v4 profile (DESIGN.md section 5): all-gather on profile dim 1: 79.751e9
-B/s, 5 us per hop, 13 us base; send/recv: dim 0 38.801e9 B/s, dim 1 35.224e9, 50 us per
-hop, 13 us base; clock 1.05 GHz (105000 cycles = 100 us).
+the shipped tpu-v4 profile (costmodel/profiles/tpu-v4.json): all-gather on profile dim 1:
+79.751e9 B/s, 5 us per hop, 13 us base; send/recv: dim 0 38.801e9 B/s, dim 1 35.224e9,
+50 us per hop, 13 us base; clock 1.05 GHz (105000 cycles = 100 us).
 """
 import json
 import os
@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from meshslice.costmodel import load_profile, profile_for_mesh
+from meshslice.costmodel import hlo_text, load_profile, profile_for_mesh
 from meshslice.costmodel import tpu_schedule as ts
 
 US = 1e-6
@@ -291,9 +291,9 @@ def test_all_to_all_with_mesh_device_ids_is_timed(groups):
 
 
 def test_mesh_groups_iota_and_sub_axes():
-  assert ts._replica_group("replica_groups=mesh['x'=2,'y'=4] {'x'}", 8) == (0, 4)
-  assert ts._replica_group("replica_groups=mesh['x'=2,'y'=4] {'y'}", 8) == (0, 1, 2, 3)
-  assert ts._replica_group(
+  assert hlo_text.replica_group("replica_groups=mesh['x'=2,'y'=4] {'x'}", 8) == (0, 4)
+  assert hlo_text.replica_group("replica_groups=mesh['x'=2,'y'=4] {'y'}", 8) == (0, 1, 2, 3)
+  assert hlo_text.replica_group(
       "replica_groups=mesh['x'=2,'y'=4] device_ids=([2,4]<=[4,2]T(1,0)) {'y'}", 8) == (
           0, 2, 4, 6)
   # verbatim from the GPT-3 64x4 rewrite's all-to-all (256 v4 chips): the mesh's ids are
@@ -301,11 +301,11 @@ def test_mesh_groups_iota_and_sub_axes():
   # pre-size 4, is 16 rows of the 64x4 mesh (partitions 4 apart: the row link)
   a2a = ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=64], "
          "device_ids=([4,16,4]T(0,2,1)) {'axis_2':(4)16}")
-  assert ts._replica_group(a2a, 256) == tuple(range(0, 64, 4))
+  assert hlo_text.replica_group(a2a, 256) == tuple(range(0, 64, 4))
   # sub-axis x:(p)k of an axis of n: [p, k, n / (p k)] major to minor, the group along k
-  assert ts._replica_group("replica_groups=mesh['x'=8] {'x':(1)2}", 8) == (0, 4)
-  assert ts._replica_group("replica_groups=mesh['x'=8] {'x':(2)2}", 8) == (0, 2)
-  assert ts._replica_group("replica_groups=mesh['x'=8] {'x':(4)2}", 8) == (0, 1)
+  assert hlo_text.replica_group("replica_groups=mesh['x'=8] {'x':(1)2}", 8) == (0, 4)
+  assert hlo_text.replica_group("replica_groups=mesh['x'=8] {'x':(2)2}", 8) == (0, 2)
+  assert hlo_text.replica_group("replica_groups=mesh['x'=8] {'x':(4)2}", 8) == (0, 1)
 
 
 # ------------------------------------------------- 5. libtpu's scheduler totals
