@@ -26,7 +26,7 @@ Example:
   ...           dataflows=("os",)).ksplit
   8
 """
-from . import memory
+from . import memory, xla_baseline  # noqa: F401  (xla_baseline registers its profile section check)
 from .autotune import (Choice, LayerChoice, LayerProblem, MeshRecommendation,
                        MeshResult, ModelSpec, best_plan, evaluate_mesh, mesh_shapes,
                        model_spec, paper_assumptions, recommend_mesh, transformer_memory,

@@ -277,7 +277,7 @@ _COLLECTIVE_KEYS = ("bandwidth", "hop_latency", "base_overhead")
 _GEMM_KEYS = ("max_efficiency", "m_sat", "n_sat", "k_sat")
 
 
-def _check_keys(obj: dict, known, where: str) -> None:
+def check_keys(obj: dict, known, where: str) -> None:
   """An unknown key is an error naming it (a typo would otherwise be ignored silently:
   `"overlapp": false` loading with overlap=True), with the nearest known key."""
   for key in obj:
@@ -292,23 +292,19 @@ def _check_keys(obj: dict, known, where: str) -> None:
                      f"{', '.join(sorted(known))})")
 
 
-def _check_terms_section(section) -> None:
-  """The calibrated "compiler_terms" section: a JSON object with known keys, its tables
-  JSON objects (`xla_baseline.read_terms` checks the values and the version)."""
-  from .xla_baseline import SECTION, builtin_terms
-  if not isinstance(section, dict):
-    raise ValueError(f"field {SECTION!r} must be a JSON object, got {section!r}")
-  reference = builtin_terms("tpu-v4").to_json_dict()
-  _check_keys(section, tuple(reference), SECTION)
-  for key, value in section.items():
-    shape = reference[key]
-    if isinstance(shape, dict):
-      if not isinstance(value, dict):
-        raise ValueError(f"field '{SECTION}.{key}' must be a JSON object, got {value!r}")
-      for sub, inner in value.items():
-        if isinstance(shape.get(sub), dict) and not isinstance(inner, dict):
-          raise ValueError(f"field '{SECTION}.{key}.{sub}' must be a JSON object, got "
-                           f"{inner!r}")
+# Checks of the optional top-level sections other modules own, {key: check(value)}: the
+# module that owns a section registers its check when it is imported (xla_baseline owns
+# "compiler_terms"), so this module needs no import of it. `meshslice.costmodel` imports
+# every owner, and importing any costmodel module runs that package first.
+SECTION_CHECKS: dict = {}
+
+
+def register_section_check(key: str, check) -> None:
+  """Have `load_profile` call `check(value)` on a profile file's `key` section; `check`
+  raises ValueError naming the field when the section is malformed."""
+  if key not in _TOP_LEVEL:
+    raise ValueError(f"{key!r} is not a profile top-level key (known: {', '.join(_TOP_LEVEL)})")
+  SECTION_CHECKS[key] = check
 
 
 def _field(obj: dict, key: str, where: str):
@@ -330,7 +326,7 @@ def profile_from_json_dict(data) -> HardwareProfile:
   if not isinstance(data, dict):
     raise ValueError("must hold a JSON object of profile fields (name, peak_flops, "
                      f"collectives, gemm_efficiency, ...), got a JSON {_json_kind(data)}")
-  _check_keys(data, _TOP_LEVEL, "")
+  check_keys(data, _TOP_LEVEL, "")
   name = _field(data, "name", "")
   if not isinstance(name, str) or not name:
     raise ValueError(f"field 'name' must be a non-empty string, got {name!r}")
@@ -341,12 +337,12 @@ def profile_from_json_dict(data) -> HardwareProfile:
   _check_number(peak, "peak_flops", positive=True)
   colls = _field(data, "collectives", "")
   if isinstance(colls, dict):
-    _check_keys(colls, COLLECTIVES, "collectives")
+    check_keys(colls, COLLECTIVES, "collectives")
   params = {}
   for kind in COLLECTIVES:
     c = _field(colls, kind, "collectives")
     if isinstance(c, dict):
-      _check_keys(c, _COLLECTIVE_KEYS, f"collectives.{kind}")
+      check_keys(c, _COLLECTIVE_KEYS, f"collectives.{kind}")
     values = {}
     for key in ("bandwidth", "hop_latency", "base_overhead"):
       where = f"collectives.{kind}.{key}"
@@ -355,7 +351,7 @@ def profile_from_json_dict(data) -> HardwareProfile:
     params[kind] = CollectiveParams(**values)
   g = _field(data, "gemm_efficiency", "")
   if isinstance(g, dict):
-    _check_keys(g, _GEMM_KEYS, "gemm_efficiency")
+    check_keys(g, _GEMM_KEYS, "gemm_efficiency")
   values = {}
   for key in ("max_efficiency", "m_sat", "n_sat", "k_sat"):
     values[key] = _field(g, key, "gemm_efficiency")
@@ -379,9 +375,10 @@ def profile_from_json_dict(data) -> HardwareProfile:
     raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
   topology = data.get("topology")
   if isinstance(topology, dict):
-    _check_keys(topology, tuple(f.name for f in dataclasses.fields(Topology)), "topology")
-  if "compiler_terms" in data:
-    _check_terms_section(data["compiler_terms"])
+    check_keys(topology, tuple(f.name for f in dataclasses.fields(Topology)), "topology")
+  for key, check in SECTION_CHECKS.items():
+    if key in data:
+      check(data[key])
   if topology is not None:
     try:
       topology = Topology.from_json_dict(topology)

@@ -73,7 +73,7 @@ import dataclasses
 import json
 import os
 
-from .profiles import HardwareProfile, load_profile
+from .profiles import HardwareProfile, check_keys, load_profile, register_section_check
 from .timing import (DATAFLOWS, GemmProblem, all_reduce_time, collective_time, movements,
                      permute_time, schedule)
 
@@ -191,6 +191,27 @@ def builtin_terms(profile_name: str) -> CompilerTerms | None:
     (True, True)
   """
   return _TPU_V4 if profile_name.startswith("tpu-") else None
+
+
+def _check_section(section) -> None:
+  """A profile file's "compiler_terms" section: a JSON object with known keys, its tables
+  JSON objects (`read_terms` checks the values and the version when the terms are used)."""
+  if not isinstance(section, dict):
+    raise ValueError(f"field {SECTION!r} must be a JSON object, got {section!r}")
+  reference = builtin_terms("tpu-v4").to_json_dict()
+  check_keys(section, tuple(reference), SECTION)
+  for key, value in section.items():
+    shape = reference[key]
+    if isinstance(shape, dict):
+      if not isinstance(value, dict):
+        raise ValueError(f"field '{SECTION}.{key}' must be a JSON object, got {value!r}")
+      for sub, inner in value.items():
+        if isinstance(shape.get(sub), dict) and not isinstance(inner, dict):
+          raise ValueError(f"field '{SECTION}.{key}.{sub}' must be a JSON object, got "
+                           f"{inner!r}")
+
+
+register_section_check(SECTION, _check_section)
 
 
 def read_terms(source) -> CompilerTerms | None:
