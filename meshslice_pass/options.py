@@ -8,6 +8,7 @@ import re
 
 from meshslice.costmodel import HardwareProfile, known_profiles, load_profile, xla_baseline
 
+from .errors import PinError
 from .plan import Plan
 from .pins import validate_algorithm, validate_count, validate_pin
 
@@ -253,7 +254,7 @@ def _pattern_pin(overrides: dict, index: int, module: str, origin=None) -> dict:
       continue
     for name, setting in value.items():
       if name in pin and pin[name] != setting:
-        raise ValueError(
+        raise PinError(
             f"overrides[{origin[name]!r}] and overrides[{key!r}] both match site #{index} "
             f"(module {module}) and pin {name} differently ({pin[name]!r} vs {setting!r}); "
             "narrow the patterns, or pin the site by index or 'file:line', which take "
@@ -288,7 +289,7 @@ def check_overrides(options: Options, sites) -> None:
                 f"{', ...' if len(modules) > 6 else ''} (a pattern must match the whole "
                 "path: start it with '*/')" if modules else
                 "; no matmul of this program has a module path")
-      raise ValueError(
+      raise PinError(
           f"overrides[{key!r}]: {what} matches no matmul of this program (it has "
           f"{len(sites)} site{'s' if len(sites) != 1 else ''}, indexes {indexes}){hint}; "
           f"{_SEE_SITES}")
@@ -314,7 +315,7 @@ def _check_pinned(where: str, pin: dict, sites) -> None:
   for site in sites:
     if not site.rewritten:
       wanted = ", ".join(f"{k}={v!r}" for k, v in asked.items())
-      raise ValueError(
+      raise PinError(
           f"{where} pins {wanted} on {site.label}, which cannot be rewritten: "
           f"{site.reason}. Remove the pin (or pin {{'rewrite': False}}); {_SEE_SITES}")
 
