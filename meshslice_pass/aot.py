@@ -423,7 +423,7 @@ def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = 
 
 def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
                seq: int | None = None, dtype: str = "bfloat16"):
-  """The demo training step (meshslice.demo: attention + MLP layers, scan over
+  """The GPT-style training step (meshslice.gpt: attention + MLP layers, scan over
   checkpointed blocks, fwd + bwd + SGD) at the size of `model` ("gpt3", "megatron": see
   meshslice.costmodel.model_spec), on `mesh` (axes "x", "y"), with abstract inputs.
 
@@ -431,18 +431,18 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   """
   import jax
   from jax.sharding import NamedSharding
-  from . import demo
+  from . import gpt
   from .costmodel import model_spec
   spec = model_spec(model, seq=seq)
   n = mesh.devices.size
-  cfg = demo.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
-                         heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
+  cfg = gpt.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
+                        heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
   row, col = mesh.axis_names[-2:]
-  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.param_specs(row, col))
-  bs = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.batch_specs(row, col))
-  params = jax.eval_shape(lambda: demo.init_params(cfg, jax.random.key(0)))
-  data = jax.eval_shape(lambda: demo.init_batch(cfg, jax.random.key(0)))
-  return demo.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
+  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.param_specs(row, col))
+  bs = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.batch_specs(row, col))
+  params = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
+  data = jax.eval_shape(lambda: gpt.init_batch(cfg, jax.random.key(0)))
+  return gpt.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
 
 
 def compare(model: str, topology_name_: str, mesh_shape, *, layers: int = 1,
