@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     return calibration.main(args)
 
   def aot(args):
-    from . import aot as ahead_of_time
-    return ahead_of_time.main(args)
+    from . import aot_cli
+    return aot_cli.main(args)
 
   commands = {"demo": _demo, "autotune": autotune, "calibrate": calibrate, "aot": aot}
   if not argv or argv[0] not in commands:
