@@ -75,8 +75,8 @@ def main(argv=None) -> int:
 
   def calibrate(args):
     if any(a == "--aot" or a.startswith("--aot=") for a in args):
-      from . import aot_sites     # fit the planner's terms to TPU compiles
-      return aot_sites.calibrate_main(args)
+      from .calibrate_aot import calibrate_main   # fit the planner's terms to TPU compiles
+      return calibrate_main(args)
     from .costmodel import calibrate as calibration
     return calibration.main(args)
 
