@@ -299,6 +299,8 @@ class AotResult:
       their trip counts (`tpu_schedule.scheduler_loop_cycles`); the entry total counts a
       loop as one node costing less (docs/tpu.md), so compare programs with loops on
       scheduler_cycles + this where the loop nodes are small. None without a log.
+    schedule: the tpu_schedule.Schedule read (per-op detail, e.g. `schedule.expanded()`);
+      not in `row()`.
   """
 
   summary: object
@@ -311,6 +313,7 @@ class AotResult:
   scheduler_cycles: float | None = None
   scheduler_s: float | None = None
   scheduler_loop_cycles: float | None = None
+  schedule: object = dataclasses.field(default=None, repr=False, compare=False)
 
   def row(self) -> dict:
     """Plain figures, for JSON and tables."""
@@ -331,7 +334,8 @@ class AotResult:
 
 
 def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
-            mesh_shape=None, scheduler_log: str | None = None) -> AotResult:
+            mesh_shape=None, scheduler_log: str | None = None,
+            ring_shares: bool = True) -> AotResult:
   """Read a compiled TPU program: schedule summary, simulated step, peak memory, and
   libtpu's own figures beside them (its peak memory; its scheduler's total when the
   compile's stderr is given).
@@ -342,6 +346,10 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
     collective at the share of its axis's torus dims that libtpu's chosen algorithm
     drives (`tpu_schedule.collective_seconds`, `axis_dims`). None: the profile's own two
     dims (for tpu-v4, the original's measured constants), unscaled.
+  ring_shares: with mesh_shape, price each collective at the share of its axis's links
+    that libtpu's algorithm drives (above). False: at the axis's full derived links, as
+    the single-GEMM records the compiler terms are fitted to are simulated
+    (`aot_sites.compile_cases`).
   scheduler_log: the stderr of the process that compiled it, with libtpu's scheduler
     logging on (`tpu_schedule.SCHEDULER_LOG_ENV` set before libtpu loaded; capture with
     `tpu_schedule.capture_stderr()` around the compile, or from a subprocess).
@@ -363,8 +371,8 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     libtpu_peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
   clock = tpu_schedule.CLOCK_HZ.get(base.name)
-  axis_dims = None if mesh_shape is None else tpu_schedule.axis_torus_dims(
-      base, tuple(mesh_shape))
+  axis_dims = None if mesh_shape is None or not ring_shares else (
+      tpu_schedule.axis_torus_dims(base, tuple(mesh_shape)))
   lhs = lhs_loops = None
   if scheduler_log:
     entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
@@ -379,7 +387,8 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
                    flags=os.environ.get("LIBTPU_INIT_ARGS", ""),
                    libtpu_peak_bytes=libtpu_peak, scheduler_cycles=lhs,
                    scheduler_loop_cycles=lhs_loops,
-                   scheduler_s=None if lhs is None or not clock else lhs / clock)
+                   scheduler_s=None if lhs is None or not clock else lhs / clock,
+                   schedule=schedule)
 
 
 def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = None) -> dict:

@@ -74,46 +74,37 @@ def _geometry(case: Case, rows: int, cols: int, dtype):
                       out_dtype=dtype, **dims)
 
 
-def simulation_profile(profile: str, mesh_shape):
-  """The profile the simulator times collectives with: `profile`'s links derived for this
-  mesh from its topology (`profile_for_mesh`), as the planner prices a site, so that the
-  simulator and the planner share one ICI model (dim 0 = mesh axis "x", dim 1 = "y";
-  the simulator puts groups of consecutive partitions, the minor axis "y", on dim 1)."""
-  from .costmodel import load_profile, profile_for_mesh
-  return profile_for_mesh(load_profile(profile), tuple(mesh_shape))
+# the record's figures, in this order (costmodel.compiler_fit and bench/tpu_rank read them)
+_FIGURES = ("compute_cycles", "dot_cycles", "copy_cycles", "other_cycles", "relayout_copies",
+            "dots", "sync", "async", "collective_bytes", "windowed_einsum_loops", "step_s",
+            "compute_s", "exposed_s", "sync_collective_s")
 
 
-def _record(compiled, profile: str, mesh_shape) -> dict:
-  """The figures of one compiled program that the fits and the ranking use."""
-  from .costmodel import tpu_schedule as ts
-  schedule = ts.read_schedule(compiled.as_text(), chip=profile)
-  summary = ts.summarize(schedule)
-  sim = ts.simulate(schedule, simulation_profile(profile, mesh_shape),
-                    clock_hz=ts.CLOCK_HZ[profile])
-  sync, asyn = {}, {}
-  dots = []
-  for op in schedule.expanded():        # loop bodies once per trip (short loops here)
+def _record(result) -> dict:
+  """The figures of one analyzed program (an `aot.AotResult`) that the fits and the
+  ranking use: its row's, the two the row leaves out, and per-op counts over the
+  expanded schedule (loop bodies once per trip; the loops here are short)."""
+  sync, asyn, dots = {}, {}, []
+  for op in result.schedule.expanded():
     if op.kind == "collective":
       sync[op.collective] = sync.get(op.collective, 0) + 1
     elif op.kind == "start":
       asyn[op.collective] = asyn.get(op.collective, 0) + 1
     if op.kind == "dot":
       dots.append((op.cycles, op.flops, 1))
-  return {"compute_cycles": summary.compute_cycles, "dot_cycles": summary.dot_cycles,
-          "copy_cycles": summary.copy_cycles, "other_cycles": summary.other_cycles,
-          "relayout_copies": summary.relayout_copies, "dots": dots,
-          "sync": sync, "async": asyn, "collective_bytes": summary.total_collective_bytes,
-          "windowed_einsum_loops": summary.windowed_einsum_loops,
-          "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
-          "sync_collective_s": sim.sync_collective_s}
+  figures = {**result.row(), "other_cycles": result.summary.other_cycles,
+             "sync_collective_s": result.simulation.sync_collective_s,
+             "dots": dots, "sync": sync, "async": asyn}
+  return {key: figures[key] for key in _FIGURES}
 
 
 def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1, 2, 4),
                   echo=None) -> list[dict]:
   """Compile every program of every case under `flag_set`, in this process (which must
   not have loaded libtpu with other flags). One record per program: the case's fields,
-  "program", "flag_set" and the figures of `_record`. A ksplit the case cannot slice
-  exactly is skipped."""
+  "program", "flag_set", "flags", "topology", "mesh", "compile_s" and the figures of
+  `_record`, from `aot.analyze` with the profile's links derived for the mesh. A ksplit
+  the case cannot slice exactly is skipped."""
   from . import aot
   gen, _ = aot.parse_topology(topology)
   aot.set_flags(*flags_of(flag_set, gen.name))
@@ -122,7 +113,6 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   jax.config.update("jax_platforms", "cpu")
-  gen, _ = aot.parse_topology(topology)
   rows, cols = (int(v) for v in mesh_shape)
   mesh = aot.make_mesh(topology, (rows, cols))
   out_sharding = NamedSharding(mesh, P("x", "y"))
@@ -145,11 +135,14 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
             out_shardings=out_sharding)
     for name, fn in programs.items():
       compiled, seconds = aot.compile(fn, *args, mesh=mesh)
-      record = dict(dataclasses.asdict(case), program=name, flag_set=flag_set,
-                    flags=" ".join(flags_of(flag_set, gen.name)),
-                    topology=topology, mesh=[rows, cols], compile_s=seconds,
-                    **_record(compiled, gen.profile, (rows, cols)))
+      # each collective at its axis's full links (ring_shares=False): as the shipped
+      # compiler terms were fitted
+      result = aot.analyze(compiled, gen.profile, compile_s=seconds, mesh_shape=(rows, cols),
+                           ring_shares=False)
       del compiled
+      record = dict(dataclasses.asdict(case), program=name, flag_set=flag_set,
+                    flags=result.flags, topology=topology, mesh=[rows, cols],
+                    compile_s=seconds, **_record(result))
       records.append(record)
       if echo:
         echo(f"  {case.label or case.dataflow:<22} {name:<14} {flag_set:<11} "
