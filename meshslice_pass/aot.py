@@ -287,7 +287,7 @@ class AotResult:
     libtpu_peak_bytes: libtpu's own peak per device
       (`memory_analysis().peak_memory_in_bytes`; 0 where it gives none). Not bounded
       by peak_bytes either way: lower on large programs whose buffers do not all live
-      at once (DESIGN.md 6b), 1.7-3.8x higher on the v4:2x2x2 GEMM / attention
+      at once (docs/tpu.md, "Peak memory"), 1.7-3.8x higher on the v4:2x2x2 GEMM / attention
       programs of docs/tpu.md, whose gathered operands the temp figure leaves out.
     scheduler_cycles: libtpu's latency-hiding scheduler "Total cycles" for the entry
       computation, read from the compile's stderr (`scheduler_log`); None without a log.
@@ -452,19 +452,29 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   return gpt.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
 
 
-def compare(model: str, topology_name_: str, mesh_shape, *, layers: int = 1,
+def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers: int = 1,
             batch: int | None = None, variants=("plain", "meshslice"), echo=None,
-            **options) -> dict:
-  """Compile the model's step plain and meshslice-transformed (`options` go to
-  meshslice.transform; profile defaults to the topology's) and analyze both.
+            topology_name_: str | None = None, **options) -> dict:
+  """Compile the model's step (`model_step`) on a TPU topology's `mesh_shape` mesh plain
+  and meshslice-transformed (`options` go to meshslice.transform; profile defaults to
+  the topology's) and analyze both.
 
-  Returns {variant: AotResult}; the "meshslice" entry's report is in
-  compare.last_report (for printing).
+  topology: a topology name such as "v4:2x2x2" (`topology_name_`: its old spelling,
+    still accepted as a keyword).
+  echo: given, the meshslice variant's report is passed to it as text.
+
+  Returns {variant: AotResult}.
   """
   from .transform import transform
-  gen, _ = parse_topology(topology_name_)
+  if topology_name_ is not None:
+    if topology is not None:
+      raise TypeError("compare() got both topology and topology_name_ (its old name)")
+    topology = topology_name_
+  if topology is None or mesh_shape is None:
+    raise TypeError("compare() needs a topology (e.g. 'v4:2x2x2') and a mesh_shape")
+  gen, _ = parse_topology(topology)
   options.setdefault("profile", gen.profile)
-  mesh = make_mesh(topology_name_, mesh_shape)
+  mesh = make_mesh(topology, mesh_shape)
   step, params, data = model_step(model, mesh, layers=layers, batch=batch)
   out = {}
   for variant in variants:
