@@ -75,14 +75,14 @@ def main(argv=None) -> int:
 
   def calibrate(args):
     if any(a == "--aot" or a.startswith("--aot=") for a in args):
-      from . import aot_sites     # fit the planner's terms to TPU compiles
-      return aot_sites.calibrate_main(args)
+      from .calibrate_aot import calibrate_main   # fit the planner's terms to TPU compiles
+      return calibrate_main(args)
     from .costmodel import calibrate as calibration
     return calibration.main(args)
 
   def aot(args):
-    from . import aot as ahead_of_time
-    return ahead_of_time.main(args)
+    from . import aot_cli
+    return aot_cli.main(args)
 
   commands = {"demo": _demo, "autotune": autotune, "calibrate": calibrate, "aot": aot}
   if not argv or argv[0] not in commands:

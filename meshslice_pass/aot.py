@@ -35,12 +35,10 @@ windowed einsum on and off) in separate processes (see bench/tpu_aot.py).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import re
-import sys
 import time
 
 # The libtpu flag constants live in backend_flags (one table per TPU generation,
@@ -289,7 +287,7 @@ class AotResult:
     libtpu_peak_bytes: libtpu's own peak per device
       (`memory_analysis().peak_memory_in_bytes`; 0 where it gives none). Not bounded
       by peak_bytes either way: lower on large programs whose buffers do not all live
-      at once (DESIGN.md 6b), 1.7-3.8x higher on the v4:2x2x2 GEMM / attention
+      at once (docs/tpu.md, "Peak memory"), 1.7-3.8x higher on the v4:2x2x2 GEMM / attention
       programs of docs/tpu.md, whose gathered operands the temp figure leaves out.
     scheduler_cycles: libtpu's latency-hiding scheduler "Total cycles" for the entry
       computation, read from the compile's stderr (`scheduler_log`); None without a log.
@@ -301,6 +299,8 @@ class AotResult:
       their trip counts (`tpu_schedule.scheduler_loop_cycles`); the entry total counts a
       loop as one node costing less (docs/tpu.md), so compare programs with loops on
       scheduler_cycles + this where the loop nodes are small. None without a log.
+    schedule: the tpu_schedule.Schedule read (per-op detail, e.g. `schedule.expanded()`);
+      not in `row()`.
   """
 
   summary: object
@@ -313,6 +313,7 @@ class AotResult:
   scheduler_cycles: float | None = None
   scheduler_s: float | None = None
   scheduler_loop_cycles: float | None = None
+  schedule: object = dataclasses.field(default=None, repr=False, compare=False)
 
   def row(self) -> dict:
     """Plain figures, for JSON and tables."""
@@ -333,7 +334,8 @@ class AotResult:
 
 
 def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
-            mesh_shape=None, scheduler_log: str | None = None) -> AotResult:
+            mesh_shape=None, scheduler_log: str | None = None,
+            ring_shares: bool = True) -> AotResult:
   """Read a compiled TPU program: schedule summary, simulated step, peak memory, and
   libtpu's own figures beside them (its peak memory; its scheduler's total when the
   compile's stderr is given).
@@ -344,6 +346,10 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
     collective at the share of its axis's torus dims that libtpu's chosen algorithm
     drives (`tpu_schedule.collective_seconds`, `axis_dims`). None: the profile's own two
     dims (for tpu-v4, the original's measured constants), unscaled.
+  ring_shares: with mesh_shape, price each collective at the share of its axis's links
+    that libtpu's algorithm drives (above). False: at the axis's full derived links, as
+    the single-GEMM records the compiler terms are fitted to are simulated
+    (`aot_sites.compile_cases`).
   scheduler_log: the stderr of the process that compiled it, with libtpu's scheduler
     logging on (`tpu_schedule.SCHEDULER_LOG_ENV` set before libtpu loaded; capture with
     `tpu_schedule.capture_stderr()` around the compile, or from a subprocess).
@@ -365,8 +371,8 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     libtpu_peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
   clock = tpu_schedule.CLOCK_HZ.get(base.name)
-  axis_dims = None if mesh_shape is None else tpu_schedule.axis_torus_dims(
-      base, tuple(mesh_shape))
+  axis_dims = None if mesh_shape is None or not ring_shares else (
+      tpu_schedule.axis_torus_dims(base, tuple(mesh_shape)))
   lhs = lhs_loops = None
   if scheduler_log:
     entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
@@ -381,7 +387,8 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
                    flags=os.environ.get("LIBTPU_INIT_ARGS", ""),
                    libtpu_peak_bytes=libtpu_peak, scheduler_cycles=lhs,
                    scheduler_loop_cycles=lhs_loops,
-                   scheduler_s=None if lhs is None or not clock else lhs / clock)
+                   scheduler_s=None if lhs is None or not clock else lhs / clock,
+                   schedule=schedule)
 
 
 def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = None) -> dict:
@@ -423,7 +430,7 @@ def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = 
 
 def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
                seq: int | None = None, dtype: str = "bfloat16"):
-  """The demo training step (meshslice.demo: attention + MLP layers, scan over
+  """The GPT-style training step (meshslice.gpt: attention + MLP layers, scan over
   checkpointed blocks, fwd + bwd + SGD) at the size of `model` ("gpt3", "megatron": see
   meshslice.costmodel.model_spec), on `mesh` (axes "x", "y"), with abstract inputs.
 
@@ -431,33 +438,43 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   """
   import jax
   from jax.sharding import NamedSharding
-  from . import demo
+  from . import gpt
   from .costmodel import model_spec
   spec = model_spec(model, seq=seq)
   n = mesh.devices.size
-  cfg = demo.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
-                         heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
+  cfg = gpt.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
+                        heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
   row, col = mesh.axis_names[-2:]
-  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.param_specs(row, col))
-  bs = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.batch_specs(row, col))
-  params = jax.eval_shape(lambda: demo.init_params(cfg, jax.random.key(0)))
-  data = jax.eval_shape(lambda: demo.init_batch(cfg, jax.random.key(0)))
-  return demo.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
+  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.param_specs(row, col))
+  bs = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.batch_specs(row, col))
+  params = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
+  data = jax.eval_shape(lambda: gpt.init_batch(cfg, jax.random.key(0)))
+  return gpt.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
 
 
-def compare(model: str, topology_name_: str, mesh_shape, *, layers: int = 1,
+def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers: int = 1,
             batch: int | None = None, variants=("plain", "meshslice"), echo=None,
-            **options) -> dict:
-  """Compile the model's step plain and meshslice-transformed (`options` go to
-  meshslice.transform; profile defaults to the topology's) and analyze both.
+            topology_name_: str | None = None, **options) -> dict:
+  """Compile the model's step (`model_step`) on a TPU topology's `mesh_shape` mesh plain
+  and meshslice-transformed (`options` go to meshslice.transform; profile defaults to
+  the topology's) and analyze both.
 
-  Returns {variant: AotResult}; the "meshslice" entry's report is in
-  compare.last_report (for printing).
+  topology: a topology name such as "v4:2x2x2" (`topology_name_`: its old spelling,
+    still accepted as a keyword).
+  echo: given, the meshslice variant's report is passed to it as text.
+
+  Returns {variant: AotResult}.
   """
   from .transform import transform
-  gen, _ = parse_topology(topology_name_)
+  if topology_name_ is not None:
+    if topology is not None:
+      raise TypeError("compare() got both topology and topology_name_ (its old name)")
+    topology = topology_name_
+  if topology is None or mesh_shape is None:
+    raise TypeError("compare() needs a topology (e.g. 'v4:2x2x2') and a mesh_shape")
+  gen, _ = parse_topology(topology)
   options.setdefault("profile", gen.profile)
-  mesh = make_mesh(topology_name_, mesh_shape)
+  mesh = make_mesh(topology, mesh_shape)
   step, params, data = model_step(model, mesh, layers=layers, batch=batch)
   out = {}
   for variant in variants:
@@ -478,23 +495,7 @@ def compare(model: str, topology_name_: str, mesh_shape, *, layers: int = 1,
   return out
 
 
-# ----------------------------------------------------------------------------- CLI
-
-_ROWS = (("compute cycles (M)", lambda r: r["compute_cycles"] / 1e6, "{:.1f}"),
-         ("  dot cycles (M)", lambda r: r["dot_cycles"] / 1e6, "{:.1f}"),
-         ("  relayout copy cycles (M)", lambda r: r["copy_cycles"] / 1e6, "{:.2f}"),
-         ("relayout copies", lambda r: r["relayout_copies"], "{:d}"),
-         ("collectives (sync / async)",
-          lambda r: f"{r['collectives']} ({r['sync_collectives']} / {r['async_collectives']})",
-          "{}"),
-         ("collective bytes / device (MB)", lambda r: r["collective_bytes"] / 1e6, "{:.1f}"),
-         ("windowed-einsum loops", lambda r: r["windowed_einsum_loops"], "{:d}"),
-         ("simulated step (ms)", lambda r: r["step_s"] * 1e3, "{:.3f}"),
-         ("  compute (ms)", lambda r: r["compute_s"] * 1e3, "{:.3f}"),
-         ("  exposed communication (ms)", lambda r: r["exposed_s"] * 1e3, "{:.3f}"),
-         ("peak memory / device (GiB)", lambda r: r["peak_bytes"] / 2**30, "{:.2f}"),
-         ("compile time (s)", lambda r: r["compile_s"], "{:.0f}"))
-
+# ----------------------------------------------------------------------------- variants
 
 # The programs compared, each under its own libtpu flags (presets of `preset_flags`):
 # XLA's plain and dense programs with libtpu defaults and with the async flags the
@@ -533,145 +534,16 @@ def versus_best_xla(rows: dict, key: str = "step_s", variant: str = "meshslice")
   return best, xla[best], xla[best] / rows[variant][key]
 
 
-def format_table(results: dict) -> str:
-  """Side-by-side table of {variant: AotResult or row dict} (ratio column for two
-  variants), each column's libtpu flags under it, and meshslice against the best XLA
-  variant when both are there."""
-  names = list(results)
-  rows = {n: (results[n] if isinstance(results[n], dict) else results[n].row())
-          for n in names}
-  lines = [["", *names] + (["ratio"] if len(names) == 2 else [])]
-  for label, get, fmt in _ROWS:
-    values = [get(rows[n]) for n in names]
-    line = [label] + [fmt.format(v) for v in values]
-    if len(names) == 2:
-      a, b = values
-      line.append(f"{b / a:.2f}x" if isinstance(a, (int, float)) and a else "")
-    lines.append(line)
-  widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
-  text = [ "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(l, widths))) for l in lines]
-  text.append("libtpu flags (LIBTPU_INIT_ARGS):")
-  text += [f"  {n}: {rows[n].get('flags') or '(libtpu defaults)'}" for n in names]
-  for variant in (n for n in names if VARIANTS.get(n, (False,))[0]):
-    best = versus_best_xla(rows, variant=variant)
-    if best is not None:
-      name, seconds, ratio = best
-      text.append(f"{variant} vs the best XLA variant ({name}, {seconds * 1e3:.3f} ms): "
-                  f"{ratio:.3f}x ({'faster' if ratio > 1 else 'not faster'})")
-  return "\n".join(text)
+# ----------------------------------------------------------------------------- moved
+
+# The `aot` CLI moved to aot_cli, which imports this module; its names resolve there on
+# first use (PEP 562) so that `aot.main` / `aot.format_table` keep working while
+# importing aot neither loads the CLI nor closes an import cycle.
+_MOVED_TO_CLI = ("format_table", "main", "_ROWS", "_variant_worker")
 
 
-def _variant_worker(args, gen, shape, options) -> int:
-  """Compile one variant in this process under its flags, print its report (meshslice)
-  and write its row as JSON to args.json."""
-  import json
-  use_pass, _ = VARIANTS[args.variant]
-  set_flags(*variant_flags(args.variant, gen.name, args.flags if use_pass else "async"))
-  import jax
-  jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
-  results = compare(args.model, args.topology, shape, layers=args.layers, batch=args.batch,
-                    variants=("meshslice" if use_pass else "plain",), echo=print, **options)
-  row = next(iter(results.values())).row()
-  with open(args.json, "w") as f:
-    json.dump(row, f)
-  return 0
-
-
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
-      prog="python -m meshslice aot",
-      description="Compile a transformer training step for a TPU topology ahead of time "
-                  "(libtpu, no TPU needed): XLA's plain and dense programs, each with "
-                  "libtpu defaults and with the async collective flags, and the "
-                  "meshslice-transformed step, each in its own process; print what the "
-                  "compiler made of each side by side, and the rewrite against the best "
-                  "XLA variant.")
-  parser.add_argument("--model", default="gpt3", choices=["gpt3", "megatron"])
-  parser.add_argument("--topology", required=True,
-                      help="TPU topology, e.g. v4:2x2x2, v4:8x8x4 (256 chips), v5e:16x16")
-  parser.add_argument("--mesh", required=True, help="mesh shape RxC (axes x, y), e.g. 32x8")
-  parser.add_argument("--layers", type=int, default=1, help="layers in the step")
-  parser.add_argument("--batch", type=int, default=None,
-                      help="sequences per step (default: one per chip)")
-  parser.add_argument("--variants", default=",".join(VARIANTS),
-                      help="programs to compile, comma-separated, from: "
-                           + ", ".join(VARIANTS) + " (default: all)")
-  parser.add_argument("--flags", default="async",
-                      help="libtpu flag presets for the meshslice variant, comma-separated: "
-                           "default (none), async (the generation's async collective flags: "
-                           "no all-gather continuation fusion on v4/v5p/v6e, docs/tpu.md), "
-                           "fusion (MaxText's continuation-fusion group), safe_async, dense "
-                           "(windowed einsum off); default: async. The XLA variants use "
-                           "defaults / dense, each also with async")
-  parser.add_argument("--profile", default=None,
-                      help="hardware profile for planning and the simulator (default: the "
-                           "topology's generation)")
-  parser.add_argument("--ksplit", default="auto", help="slices per site, or auto")
-  parser.add_argument("--json", default=None, help="also write the figures as JSON here")
-  parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)   # internal
-  args = parser.parse_args(argv)
-  try:
-    gen, _ = parse_topology(args.topology)
-    shape = tuple(int(v) for v in args.mesh.lower().split("x"))
-    if len(shape) != 2:
-      raise ValueError
-  except ValueError as e:
-    parser.error(str(e) if str(e) else f"--mesh must be RxC, got {args.mesh!r}")
-  try:
-    meshslice_flags = preset_flags(args.flags, gen.name)
-  except ValueError as e:
-    parser.error(f"--flags: {e}")
-  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-  unknown = [v for v in variants if v not in VARIANTS]
-  if unknown or not variants:
-    parser.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
-  if not have_libtpu():
-    print("python -m meshslice aot needs libtpu: pip install -e '.[tpu]'", file=sys.stderr)
-    return 2
-  options = {"profile": args.profile or gen.profile}
-  if args.ksplit != "auto":
-    if not args.ksplit.isdigit() or int(args.ksplit) < 1:
-      parser.error(f"--ksplit must be a positive int or 'auto', got {args.ksplit!r}")
-    options.update(ksplit=int(args.ksplit), algorithm="meshslice")
-  if args.variant is not None:
-    return _variant_worker(args, gen, shape, options)
-  import json
-  import subprocess
-  import tempfile
-  del meshslice_flags
-  flags_of = {v: variant_flags(v, gen.name, args.flags if VARIANTS[v][0] else "async")
-              for v in variants}
-  print(f"{args.model} step ({args.layers} layer(s), fwd+bwd) on {args.topology} as a "
-        f"{args.mesh} mesh; each variant compiled in its own process with its libtpu "
-        "flags:", flush=True)
-  for v in variants:
-    print(f"  {v}: {' '.join(flags_of[v]) or '(libtpu defaults)'}", flush=True)
-  rows = {}
-  passthrough = [f"--model={args.model}", f"--topology={args.topology}",
-                 f"--mesh={args.mesh}", f"--layers={args.layers}", f"--flags={args.flags}",
-                 f"--ksplit={args.ksplit}"]
-  passthrough += [f"--batch={args.batch}"] if args.batch else []
-  passthrough += [f"--profile={args.profile}"] if args.profile else []
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env.pop("LIBTPU_INIT_ARGS", None)
-  for v in variants:
-    with tempfile.TemporaryDirectory() as tmp:
-      out = os.path.join(tmp, "row.json")
-      proc = subprocess.run([sys.executable, "-m", "meshslice", "aot", *passthrough,
-                             f"--variant={v}", f"--json={out}"], env=env, text=True,
-                            capture_output=True)
-      if VARIANTS[v][0] or proc.returncode:
-        print(proc.stdout, end="", flush=True)
-      if proc.returncode or not os.path.exists(out):
-        print(f"error: variant {v} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
-              file=sys.stderr)
-        return 2
-      with open(out) as f:
-        rows[v] = json.load(f)
-  print(format_table(rows))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(rows, f, indent=1)
-  return 0
+def __getattr__(name: str):
+  if name in _MOVED_TO_CLI:
+    import importlib
+    return getattr(importlib.import_module(".aot_cli", __package__), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

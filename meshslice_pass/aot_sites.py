@@ -74,46 +74,37 @@ def _geometry(case: Case, rows: int, cols: int, dtype):
                       out_dtype=dtype, **dims)
 
 
-def simulation_profile(profile: str, mesh_shape):
-  """The profile the simulator times collectives with: `profile`'s links derived for this
-  mesh from its topology (`profile_for_mesh`), as the planner prices a site, so that the
-  simulator and the planner share one ICI model (dim 0 = mesh axis "x", dim 1 = "y";
-  the simulator puts groups of consecutive partitions, the minor axis "y", on dim 1)."""
-  from .costmodel import load_profile, profile_for_mesh
-  return profile_for_mesh(load_profile(profile), tuple(mesh_shape))
+# the record's figures, in this order (costmodel.compiler_fit and bench/tpu_rank read them)
+_FIGURES = ("compute_cycles", "dot_cycles", "copy_cycles", "other_cycles", "relayout_copies",
+            "dots", "sync", "async", "collective_bytes", "windowed_einsum_loops", "step_s",
+            "compute_s", "exposed_s", "sync_collective_s")
 
 
-def _record(compiled, profile: str, mesh_shape) -> dict:
-  """The figures of one compiled program that the fits and the ranking use."""
-  from .costmodel import tpu_schedule as ts
-  schedule = ts.read_schedule(compiled.as_text(), chip=profile)
-  summary = ts.summarize(schedule)
-  sim = ts.simulate(schedule, simulation_profile(profile, mesh_shape),
-                    clock_hz=ts.CLOCK_HZ[profile])
-  sync, asyn = {}, {}
-  dots = []
-  for op in schedule.expanded():        # loop bodies once per trip (short loops here)
+def _record(result) -> dict:
+  """The figures of one analyzed program (an `aot.AotResult`) that the fits and the
+  ranking use: its row's, the two the row leaves out, and per-op counts over the
+  expanded schedule (loop bodies once per trip; the loops here are short)."""
+  sync, asyn, dots = {}, {}, []
+  for op in result.schedule.expanded():
     if op.kind == "collective":
       sync[op.collective] = sync.get(op.collective, 0) + 1
     elif op.kind == "start":
       asyn[op.collective] = asyn.get(op.collective, 0) + 1
     if op.kind == "dot":
       dots.append((op.cycles, op.flops, 1))
-  return {"compute_cycles": summary.compute_cycles, "dot_cycles": summary.dot_cycles,
-          "copy_cycles": summary.copy_cycles, "other_cycles": summary.other_cycles,
-          "relayout_copies": summary.relayout_copies, "dots": dots,
-          "sync": sync, "async": asyn, "collective_bytes": summary.total_collective_bytes,
-          "windowed_einsum_loops": summary.windowed_einsum_loops,
-          "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
-          "sync_collective_s": sim.sync_collective_s}
+  figures = {**result.row(), "other_cycles": result.summary.other_cycles,
+             "sync_collective_s": result.simulation.sync_collective_s,
+             "dots": dots, "sync": sync, "async": asyn}
+  return {key: figures[key] for key in _FIGURES}
 
 
 def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1, 2, 4),
                   echo=None) -> list[dict]:
   """Compile every program of every case under `flag_set`, in this process (which must
   not have loaded libtpu with other flags). One record per program: the case's fields,
-  "program", "flag_set" and the figures of `_record`. A ksplit the case cannot slice
-  exactly is skipped."""
+  "program", "flag_set", "flags", "topology", "mesh", "compile_s" and the figures of
+  `_record`, from `aot.analyze` with the profile's links derived for the mesh. A ksplit
+  the case cannot slice exactly is skipped."""
   from . import aot
   gen, _ = aot.parse_topology(topology)
   aot.set_flags(*flags_of(flag_set, gen.name))
@@ -122,7 +113,6 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   jax.config.update("jax_platforms", "cpu")
-  gen, _ = aot.parse_topology(topology)
   rows, cols = (int(v) for v in mesh_shape)
   mesh = aot.make_mesh(topology, (rows, cols))
   out_sharding = NamedSharding(mesh, P("x", "y"))
@@ -145,11 +135,14 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
             out_shardings=out_sharding)
     for name, fn in programs.items():
       compiled, seconds = aot.compile(fn, *args, mesh=mesh)
-      record = dict(dataclasses.asdict(case), program=name, flag_set=flag_set,
-                    flags=" ".join(flags_of(flag_set, gen.name)),
-                    topology=topology, mesh=[rows, cols], compile_s=seconds,
-                    **_record(compiled, gen.profile, (rows, cols)))
+      # each collective at its axis's full links (ring_shares=False): as the shipped
+      # compiler terms were fitted
+      result = aot.analyze(compiled, gen.profile, compile_s=seconds, mesh_shape=(rows, cols),
+                           ring_shares=False)
       del compiled
+      record = dict(dataclasses.asdict(case), program=name, flag_set=flag_set,
+                    flags=result.flags, topology=topology, mesh=[rows, cols],
+                    compile_s=seconds, **_record(result))
       records.append(record)
       if echo:
         echo(f"  {case.label or case.dataflow:<22} {name:<14} {flag_set:<11} "
@@ -194,89 +187,17 @@ def _worker(spec_json: str) -> int:
   return 0
 
 
-if __name__ == "__main__":
+# `python -m meshslice calibrate --aot` moved to calibrate_aot, which imports this module:
+# resolved on first use (PEP 562), so that the import graph stays acyclic.
+_MOVED_TO_CALIBRATE = ("calibrate_main", "DEFAULT_SHAPES")
+
+
+def __getattr__(name: str):
+  if name in _MOVED_TO_CALIBRATE:
+    import importlib
+    return getattr(importlib.import_module(".calibrate_aot", __package__), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":      # the worker of compile_in_subprocess
   sys.exit(_worker(sys.argv[1]))
-
-
-# ----------------------------------------------------------------------------- calibrate
-
-DEFAULT_SHAPES = ("4096x4096x4096", "8192x8192x8192", "16384x4096x8192")
-
-
-def calibrate_main(argv) -> int:
-  """`python -m meshslice calibrate --aot TOPOLOGY`: compile single-GEMM programs for
-  the topology (os / ls / rs, each shape, meshslice S in --ksplits, XLA's program with
-  windowed einsum on and off), fit the compiler terms (costmodel.compiler_fit) and write
-  a profile JSON with them as its "compiler_terms" section.
-
-  Example:
-    python -m meshslice calibrate --aot v4:2x2x2 --out v4-compiled.json
-    python -c "import meshslice; meshslice.transform(step, profile='v4-compiled.json')"
-  """
-  import argparse
-  from . import aot
-  parser = argparse.ArgumentParser(
-      prog="python -m meshslice calibrate --aot",
-      description="Fit the planner's per-site compiler terms to ahead-of-time TPU compiles "
-                  "and write them into a profile JSON (section 'compiler_terms').")
-  parser.add_argument("--aot", required=True, metavar="TOPOLOGY", help="e.g. v4:2x2x2")
-  parser.add_argument("--mesh", default=None, help="mesh RxC (default: 2 x chips/2)")
-  parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                      help="GEMM sizes MxKxN, comma-separated")
-  parser.add_argument("--ksplits", default="1,2,4", help="meshslice slice counts")
-  parser.add_argument("--dataflows", default="os,ls,rs", help="dataflows to compile")
-  parser.add_argument("--profile", default=None,
-                      help="base profile (default: the topology's generation's)")
-  parser.add_argument("--out", required=True, help="profile JSON to write")
-  parser.add_argument("--records", default=None,
-                      help="also write the compiled programs' figures here (JSON lines)")
-  args = parser.parse_args(argv)
-  try:
-    gen, dims = aot.parse_topology(args.aot)
-    chips = 1
-    for d in dims:
-      chips *= d
-    mesh = (tuple(int(v) for v in args.mesh.lower().split("x")) if args.mesh
-            else (2, chips // 2))
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
-    ksplits = tuple(int(v) for v in args.ksplits.split(","))
-    flows = tuple(args.dataflows.split(","))
-    assert set(flows) <= {"os", "ls", "rs"}
-    assert len(mesh) == 2 and mesh[0] * mesh[1] == chips and all(len(s) == 3 for s in shapes)
-  except (ValueError, AssertionError) as e:
-    parser.error(f"--aot / --mesh / --shapes / --ksplits: {e or 'malformed'}")
-  if not aot.have_libtpu():
-    parser.error("needs libtpu: pip install -e '.[tpu]'")
-  import jax
-  from .costmodel import compiler_fit, load_profile, xla_baseline
-  from .costmodel.tpu_schedule import CLOCK_HZ
-  base = load_profile(args.profile or gen.profile)
-  cases = [Case(dataflow=flow, m=m, k=k, n=n, label=f"{flow} {m}x{k}x{n}")
-           for m, k, n in shapes for flow in flows]
-  print(f"compiling {len(cases)} GEMM sites for {args.aot} as {mesh[0]}x{mesh[1]} "
-        f"(S = {args.ksplits}; XLA with windowed einsum on and off), one at a time")
-  records = []
-  for flag_set, ks in (("async_dense", ()), ("async", ksplits)):
-    records += compile_in_subprocess(args.aot, mesh, cases, flag_set, ksplits=ks,
-                                     echo=lambda s: print(s, flush=True)
-                                     if "Mcycles" in s else None)
-  from importlib.metadata import version
-  source = (f"python -m meshslice calibrate --aot {args.aot} --mesh {mesh[0]}x{mesh[1]} "
-            f"--shapes {args.shapes} --ksplits {args.ksplits}; jax {jax.__version__}, "
-            f"libtpu {version('libtpu')}, flags: {' '.join(flags_of('async', gen.name))} "
-            "(+ DENSE_FLAGS for the dense program)")
-  fallback = xla_baseline.builtin_terms(base.name) or xla_baseline.builtin_terms("tpu-v4")
-  terms, notes = compiler_fit.fit_terms(records, base, CLOCK_HZ.get(base.name, 1.05e9),
-                                        fallback=fallback, source=source)
-  xla_baseline.write_terms(args.out, base, terms)
-  for key, value in terms.to_json_dict().items():
-    if key != "source":
-      print(f"  {key:<24} {value}")
-  for note in notes:
-    print(f"  note: {note}")
-  print(f"profile {base.name!r} with compiler terms written to {args.out}")
-  if args.records:
-    with open(args.records, "w", encoding="utf-8") as f:
-      for r in records:
-        f.write(json.dumps(r) + "\n")
-  return 0
