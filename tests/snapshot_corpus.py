@@ -13,7 +13,8 @@ Nothing is compiled; each case is traced, planned and lowered.
 
 A refactor that moves meshslice's own model code (the demo GPT) changes the `source`
 column of that model's sites; sources inside meshslice_pass/ are therefore written as
-`<meshslice>` so only user-code lines are compared.
+`<meshslice>` so only user-code lines are compared, and report tables are compared cell by
+cell (runs of spaces and dashes collapsed: column widths follow the longest source).
 """
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ N_DOT_SEEDS = 40
 N_PROGRAM_SEEDS = 12
 
 
-def _normalize(text: str) -> str:
-  return _OWN_SOURCE.sub("<meshslice>", text)
+def _normalize(text: str, table: bool = False) -> str:
+  text = _OWN_SOURCE.sub("<meshslice>", text)
+  if table:    # a report's column widths follow the longest source: compare cells only
+    text = re.sub(r" {2,}", "  ", re.sub(r"-{2,}", "--", text))
+  return text
 
 
 class Writer:
@@ -58,7 +62,7 @@ class Writer:
     def run():
       report = transformed.explain(*args)
       self._write(f"{name}.plan.json", report.plan.to_json())
-      self._write(f"{name}.report.txt", str(report))
+      self._write(f"{name}.report.txt", str(report), table=True)
       if lower:
         self._write(f"{name}.stablehlo.mlir", transformed.lower(*args).as_text())
     try:
@@ -72,9 +76,9 @@ class Writer:
       self._write(f"{name}.error.txt", f"{type(e).__name__}: {e}\n")
       traceback.print_exc()
 
-  def _write(self, fname: str, text: str):
+  def _write(self, fname: str, text: str, table: bool = False):
     with open(os.path.join(self.out, fname), "w") as f:
-      f.write(_normalize(text))
+      f.write(_normalize(text, table))
 
 
 def demo_cases(w: Writer):
