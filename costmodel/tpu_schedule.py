@@ -105,7 +105,8 @@ Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   ... ENTRY %main (p: bf16[1024,1024]) -> bf16[1024,1024] {
   ...   %p = bf16[1024,1024]{1,0} parameter(0)
   ...   %ag = bf16[4096,1024]{1,0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
-  ...   ROOT %f = bf16[1024,1024]{1,0} fusion(%ag), kind=kOutput, calls=%c, backend_config={"estimated_cycles":"1050000"}
+  ...   ROOT %f = bf16[1024,1024]{1,0} fusion(%ag), kind=kOutput, calls=%c,'''
+  >>> text += ''' backend_config={"estimated_cycles":"1050000"}
   ... }'''
   >>> s = read_schedule(text)
   >>> [(op.name, op.kind, op.cycles) for op in s.expanded()]
@@ -788,7 +789,7 @@ def summarize(schedule: CompiledSchedule | str) -> Summary:
                  windowed_einsum_loops=windowed)
 
 
-# ----------------------------------------------------------------------------- libtpu's own scheduler
+# --------------------------------------------------------------------------- libtpu's own scheduler
 
 # Environment that makes libtpu log its latency-hiding scheduler's statistics on stderr
 # at compile time (set before libtpu loads, i.e. in a fresh process).

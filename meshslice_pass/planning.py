@@ -10,12 +10,13 @@ slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_kspli
 blocks of at least min_block elements, the plan that fits the chip's HBM
 (`costmodel.why_too_big`) with the fewest slices among those predicted within 2% (the
 model's error) of the fastest wins: collective before meshslice, smaller S before larger
-(each slice costs the compiled program more than the model prices). When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile
-with TPU compiler terms every plan is priced as compiled (`costmodel.xla_baseline`), and
-the winner must beat XLA's own program for the site (option xla_baseline; priced under
-this process's libtpu flags: windowed einsum turned off there is not XLA's program) by
-more than `costing.XLA_MARGIN` (the model's error): otherwise the site is left alone,
-its reason naming both predicted times, and compiles as plain jit would.
+(each slice costs the compiled program more than the model prices). When no plan fits, the
+site is left alone ("no plan fits HBM: ..."). On a profile with TPU compiler terms every
+plan is priced as compiled (`costmodel.xla_baseline`), and the winner must beat XLA's own
+program for the site (option xla_baseline; priced under this process's libtpu flags:
+windowed einsum turned off there is not XLA's program) by more than `costing.XLA_MARGIN`
+(the model's error): otherwise the site is left alone, its reason naming both predicted
+times, and compiles as plain jit would.
 """
 from __future__ import annotations
 
