@@ -120,7 +120,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
 from . import hlo_text
 from .hlo_text import COLLECTIVES, Computation, Instr, arrays, nbytes
@@ -473,8 +473,9 @@ class _Reader:
     opcode = instr.opcode
     cycles = _CYCLES.search(instr.attrs)
     cycles = int(cycles.group(1)) if cycles else 0
-    base = dict(name=instr.name, opcode=opcode, cycles=cycles,
-                cycles_source="compiler" if cycles else "", bytes=nbytes(instr.type_text))
+    base: dict[str, Any] = dict(name=instr.name, opcode=opcode, cycles=cycles,
+                                cycles_source="compiler" if cycles else "",
+                                bytes=nbytes(instr.type_text))
     if opcode in COLLECTIVES:
       return self.collective_op(instr, "collective", opcode, result_type=instr.type_text)
     stem = opcode.removesuffix("-start").removesuffix("-done")
