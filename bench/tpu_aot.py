@@ -106,7 +106,8 @@ def _worker(spec: dict) -> dict:
                               for s in report.rewritten})
   compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
   if spec.get("save_hlo"):
-    name = f"{spec['model']}_{spec['topology']}_{'x'.join(map(str, spec['mesh']))}_{spec['variant']}"
+    mesh_name = "x".join(map(str, spec["mesh"]))
+    name = f"{spec['model']}_{spec['topology']}_{mesh_name}_{spec['variant']}"
     os.makedirs(spec["save_hlo"], exist_ok=True)
     with open(os.path.join(spec["save_hlo"], name.replace(":", "-") + ".hlo"), "w") as f:
       f.write(compiled.as_text())

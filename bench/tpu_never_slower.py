@@ -6,14 +6,15 @@ when strictly faster). argv[1]: libtpu flag presets (default: async).
 
   python bench/tpu_never_slower.py async    # ~3 min, 3 compiles
 """
-import os, sys, json, time
+import os
+import sys
+import json
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from meshslice import aot, costing
 preset = sys.argv[1] if len(sys.argv) > 1 else "async"
 aot.set_flags(*aot.preset_flags(preset, "v4"))
 import jax
 jax.config.update("jax_platforms", "cpu")
-import dataclasses
 import maxtext_style_step as ex
 import meshslice
 cfg = ex.Config(layers=2, batch=8, seq=2048, embed=2048, heads=16, mlp=8192, vocab=32768,
@@ -37,13 +38,18 @@ for name, rule in variants:
       rep = fn.explain(*args)
     print(f"== {name}: {rep.summary()}", flush=True)
     for s in rep.sites:
+      plan = (f"REWRITTEN {s.algorithm} {s.dataflow} S={s.ksplit}" if s.rewritten
+              else "left: " + s.reason[:160])
       print(f"  #{s.index} {s.direction} {s.lhs_shape}x{s.rhs_shape} "
-            f"{'REWRITTEN ' + str(s.algorithm) + ' ' + str(s.dataflow) + ' S=' + str(s.ksplit) if s.rewritten else 'left: ' + s.reason[:160]}"
-            f" pred {s.predicted_seconds and s.predicted_seconds*1e6:.1f}us" if s.predicted_seconds else "", flush=True)
+            f"{plan}"
+            f" pred {s.predicted_seconds and s.predicted_seconds*1e6:.1f}us"
+            if s.predicted_seconds else "", flush=True)
   compiled, secs = aot.compile(fn, *args, mesh=tpu)
   if name != "plain" and rule is not None:
     costing.leave_to_xla = real
   r = aot.analyze(compiled, "tpu-v4", compile_s=secs, mesh_shape=None).row()
-  out[name] = {k: r[k] for k in ("step_s", "compute_s", "exposed_s", "collective_bytes", "compute_cycles", "collectives", "sync_collectives", "async_collectives", "compile_s")}
+  out[name] = {k: r[k] for k in ("step_s", "compute_s", "exposed_s", "collective_bytes",
+                                 "compute_cycles", "collectives", "sync_collectives",
+                                 "async_collectives", "compile_s")}
   print(name, json.dumps(out[name]), flush=True)
 print("RESULT " + json.dumps(out))

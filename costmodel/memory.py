@@ -17,7 +17,8 @@ Example:
   >>> round(site_peak_bytes(p, "collective", "ls", 1) / 2**30, 1)    # partial Y whole
   40.4
   >>> why_too_big(p, "collective", "ls", 1, load_profile("tpu-v4"))
-  'needs 40.4 GiB per chip (input shards 92.5 MiB, output and buffers 40.3 GiB), 32.0 GiB free of 32.0 GiB HBM'
+  'needs 40.4 GiB per chip (input shards 92.5 MiB, output and buffers 40.3 GiB),
+  32.0 GiB free of 32.0 GiB HBM'
   >>> why_too_big(p, "meshslice", "ls", 16, load_profile("tpu-v4"))
   ''
 """
@@ -147,7 +148,8 @@ def why_too_big(problem: GemmProblem, algorithm: str, dataflow: str, ksplit: int
     >>> why_too_big(p, "collective", "os", 1, load_profile("tpu-v4"))
     ''
     >>> why_too_big(p, "collective", "os", 1, load_profile("tpu-v4"), reserved=32 * 2**30 - 2**25)
-    'needs 36.0 MiB per chip (input shards 8.0 MiB, output and buffers 28.0 MiB), 32.0 MiB free of 32.0 GiB HBM'
+    'needs 36.0 MiB per chip (input shards 8.0 MiB, output and buffers 28.0 MiB),
+    32.0 MiB free of 32.0 GiB HBM'
   """
   capacity = chip_capacity(profile)
   if not capacity:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from .profiles import HardwareProfile, load_profile
 
@@ -420,8 +421,8 @@ def movements(p: GemmProblem, dataflow: str) -> tuple[Movement, Movement]:
   """
   dataflow = _dataflow(dataflow)
   m, n, k, r, c, b = p.m, p.n, p.k, p.rows, p.cols, p.batch
-  row = dict(link="row", size=r, dim=p.row_profile_dim)
-  col = dict(link="col", size=c, dim=p.col_profile_dim)
+  row: dict[str, Any] = dict(link="row", size=r, dim=p.row_profile_dim)
+  col: dict[str, Any] = dict(link="col", size=c, dim=p.col_profile_dim)
   y_bytes = b * m / r * n / c * p.out_bytes
   if dataflow == "os":
     return (Movement(kind="all_gather", matrix="X", shard_bytes=b * m / r * k / c * p.in_bytes,

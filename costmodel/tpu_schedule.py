@@ -105,7 +105,8 @@ Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   ... ENTRY %main (p: bf16[1024,1024]) -> bf16[1024,1024] {
   ...   %p = bf16[1024,1024]{1,0} parameter(0)
   ...   %ag = bf16[4096,1024]{1,0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
-  ...   ROOT %f = bf16[1024,1024]{1,0} fusion(%ag), kind=kOutput, calls=%c, backend_config={"estimated_cycles":"1050000"}
+  ...   ROOT %f = bf16[1024,1024]{1,0} fusion(%ag), kind=kOutput, calls=%c,'''
+  >>> text += ''' backend_config={"estimated_cycles":"1050000"}
   ... }'''
   >>> s = read_schedule(text)
   >>> [(op.name, op.kind, op.cycles) for op in s.expanded()]
@@ -119,7 +120,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
 from . import hlo_text
 from .hlo_text import COLLECTIVES, Computation, Instr, arrays, nbytes
@@ -472,8 +473,9 @@ class _Reader:
     opcode = instr.opcode
     cycles = _CYCLES.search(instr.attrs)
     cycles = int(cycles.group(1)) if cycles else 0
-    base = dict(name=instr.name, opcode=opcode, cycles=cycles,
-                cycles_source="compiler" if cycles else "", bytes=nbytes(instr.type_text))
+    base: dict[str, Any] = dict(name=instr.name, opcode=opcode, cycles=cycles,
+                                cycles_source="compiler" if cycles else "",
+                                bytes=nbytes(instr.type_text))
     if opcode in COLLECTIVES:
       return self.collective_op(instr, "collective", opcode, result_type=instr.type_text)
     stem = opcode.removesuffix("-start").removesuffix("-done")
@@ -788,7 +790,7 @@ def summarize(schedule: CompiledSchedule | str) -> Summary:
                  windowed_einsum_loops=windowed)
 
 
-# ----------------------------------------------------------------------------- libtpu's own scheduler
+# --------------------------------------------------------------------------- libtpu's own scheduler
 
 # Environment that makes libtpu log its latency-hiding scheduler's statistics on stderr
 # at compile time (set before libtpu loads, i.e. in a fresh process).

@@ -23,7 +23,8 @@ Example:
   >>> tpu_overlap_flags("v4")[-1], tpu_overlap_flags("v5e") == CONTINUATION_FUSION_FLAGS
   ('--xla_enable_async_all_gather=true', True)
   >>> missing_overlap_flags("tpu", {"LIBTPU_INIT_ARGS": ""}, generation="v4")[:2]
-  ('--xla_tpu_enable_async_collective_fusion=true', '--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false')
+  ('--xla_tpu_enable_async_collective_fusion=true',
+   '--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false')
   >>> unsafe_flags("v4", CONTINUATION_FUSION_FLAGS)
   ('--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true',)
   >>> missing_overlap_flags("cpu", {})

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,10 @@ from .errors import MeshsliceError
 from .nnx_jit import is_nnx_jit
 from .reference import NoReference, evaluate, shorten
 from .transform import Transformed, transform
+
+if TYPE_CHECKING:
+  from .planning import Site
+  from .report import Report
 
 #: Tolerance per dtype (README "Numerics"): |a - b| <= tol * |b| + tol * max|b|. Complex
 #: outputs use the modulus of the difference; floating dtypes not listed (fp8, ...) use
@@ -130,9 +134,9 @@ class CheckResult:
   """
   ok: bool
   leaves: tuple
-  report: object
+  report: Report
   reference: str
-  culprit: object = None
+  culprit: Site | None = None
   suspects: tuple = ()
   note: str = ""
 

@@ -32,7 +32,7 @@ Example:
 """
 from __future__ import annotations
 
-from .costmodel import hlo_text as parser
+from meshslice.costmodel import hlo_text as parser
 
 KINDS = parser.COLLECTIVES
 

@@ -78,7 +78,7 @@ class Options:
   min_block: int = 8
   strict: bool = False
   overrides: dict | None = None
-  plan: object = None
+  plan: Plan | None = None
   profile: object = DEFAULT_PROFILE
   relayout: bool = True
   xla_baseline: str = "auto"

@@ -7,11 +7,13 @@ Example:
   >>> validate_pin("overrides[3]", {"slices": 2})
   Traceback (most recent call last):
   ...
-  meshslice.errors.PinError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow, ksplit, rewrite
+  meshslice.errors.PinError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow,
+  ksplit, rewrite
   >>> validate_pin("overrides[3]", {"ksplit": 0})
   Traceback (most recent call last):
   ...
-  meshslice.errors.PinError: overrides[3]: ksplit must be a positive int (1 = no slicing) or None for automatic, got 0
+  meshslice.errors.PinError: overrides[3]: ksplit must be a positive int (1 = no slicing) or None
+  for automatic, got 0
 """
 from __future__ import annotations
 

@@ -10,17 +10,19 @@ slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_kspli
 blocks of at least min_block elements, the plan that fits the chip's HBM
 (`costmodel.why_too_big`) with the fewest slices among those predicted within 2% (the
 model's error) of the fastest wins: collective before meshslice, smaller S before larger
-(each slice costs the compiled program more than the model prices). When no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile
-with TPU compiler terms every plan is priced as compiled (`costmodel.xla_baseline`), and
-the winner must beat XLA's own program for the site (option xla_baseline; priced under
-this process's libtpu flags: windowed einsum turned off there is not XLA's program) by
-more than `costing.XLA_MARGIN` (the model's error): otherwise the site is left alone,
-its reason naming both predicted times, and compiles as plain jit would.
+(each slice costs the compiled program more than the model prices). When no plan fits, the
+site is left alone ("no plan fits HBM: ..."). On a profile with TPU compiler terms every
+plan is priced as compiled (`costmodel.xla_baseline`), and the winner must beat XLA's own
+program for the site (option xla_baseline; priced under this process's libtpu flags:
+windowed einsum turned off there is not XLA's program) by more than `costing.XLA_MARGIN`
+(the model's error): otherwise the site is left alone, its reason naming both predicted
+times, and compiles as plain jit would.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -216,7 +218,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
     out = swap.outvars[0]
   lhs_spec, rhs_spec, out_demand = (_spec_of(analysis, v) for v in (lhs, rhs, out))
   stack = name_stack(eqn)
-  base = dict(
+  base: dict[str, Any] = dict(
       index=index, path=path,
       source=source_location(eqn, getattr(ctx.options, "source_packages", ())),
       # the name stack's modules (Linen, named scopes), else the parameter the matmul
@@ -380,7 +382,7 @@ def _honours(candidate, request, site) -> bool:
 RELAYOUT_MARGIN = 0.9
 
 
-def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match,
+def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs, rhs, out, match,
                 lhs_spec, rhs_spec):
   """The site planned as `match` on operands laid out as lhs_spec / rhs_spec. Every match
   comes from `matching.classify`, which has proved it exact (`validation.site_reason`)."""
@@ -391,8 +393,8 @@ def _plan_match(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, match
       out_dtype=out.dtype)
   mesh_axes = ((match.row_axis,) if match.dataflow.startswith("1d")
                else (match.row_axis, match.col_axis))
-  decided = dict(dataflow=match.dataflow, mesh_axes=mesh_axes,
-                 geometry=geometry, specs=(lhs_spec, rhs_spec, match.out_spec))
+  decided: dict[str, Any] = dict(dataflow=match.dataflow, mesh_axes=mesh_axes,
+                                 geometry=geometry, specs=(lhs_spec, rhs_spec, match.out_spec))
   if not geometry.valid_ksplits():
     return Site(rewritten=False, reason=(
         f"communicated extent {match.global_extent} is not divisible by "

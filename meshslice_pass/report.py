@@ -119,7 +119,8 @@ class Report:
     widths = [max(len(c), *(len(r[k]) for r in rows)) if rows else len(c)
               for k, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
-    lines = [head, *(f"note: {n}" for n in self.notes), fmt(cols), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+    lines = [head, *(f"note: {n}" for n in self.notes), fmt(cols),
+             fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
     if self.rewritten:
       pred, base = self.predicted_seconds, self.baseline_seconds
       lines.append(f"total predicted for the rewritten sites: {pred * 1e6:.1f} us vs "

@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from .aot import AotResult
+  from .plan import Plan
 
 CANDIDATES = {
     "default": {},
@@ -40,8 +45,8 @@ class Candidate:
   """One compiled candidate: its frozen plan and what the compiler made of it."""
 
   name: str
-  plan: object
-  result: object          # aot.AotResult
+  plan: Plan
+  result: AotResult
 
   @property
   def step_s(self) -> float:

@@ -32,7 +32,8 @@ Example:
   >>> site_reason(g, (16, 64), (64, 32), ((x, y), (x, y), (x, y)), {"x": 2, "y": 4})
   ''
   >>> site_reason(g, (16, 64), (64, 32), ((x, y), (y, x), (x, y)), {"x": 2, "y": 4})
-  "rhs dim 0 is split over ('y',) with 'x' not the minor axis: gathering it would not give contiguous blocks"
+  "rhs dim 0 is split over ('y',) with 'x' not the minor axis: gathering it would not give
+  contiguous blocks"
 """
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ class _Slicing:
 
   __slots__ = ()
   _LCM_NAME = "lcm(R, C)"
+  # what the method below read, set by each geometry (annotations only: no slots)
+  global_extent: int
+  lcm: int
 
   def block_size(self, ksplit: int) -> int:
     """The block-cyclic block size B = extent / (S * lcm) for S = ksplit."""

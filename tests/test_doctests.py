@@ -6,7 +6,6 @@ import pkgutil
 
 import pytest
 
-import meshslice
 
 _PACKAGES = ("meshslice", "meshslice.rewrites", "meshslice.costmodel")
 

@@ -23,7 +23,8 @@ def _run(script, *flags):
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--tiny", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  assert proc.returncode == 0, (f"{script} exited {proc.returncode}:\n"
+                                f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
   return proc.stdout
 
 

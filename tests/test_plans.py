@@ -71,8 +71,8 @@ def test_malformed_and_mismatched_plans(tmp_path):
 def test_overrides_by_index_and_location():
   f, args = _program()
   line = _mlp.__code__.co_firstlineno + 1
-  report = meshslice.explain(f, overrides={0: {"ksplit": 2},
-                                           f"test_plans.py:{line}": {"algorithm": "collective"}})(*args)
+  overrides = {0: {"ksplit": 2}, f"test_plans.py:{line}": {"algorithm": "collective"}}
+  report = meshslice.explain(f, overrides=overrides)(*args)
   assert all(s.algorithm == "collective" for s in report.sites)   # every site is on that line
   report = meshslice.explain(f, overrides={0: {"ksplit": 2}, 4: {"rewrite": False}})(*args)
   assert report.sites[0].ksplit == 2 and not report.sites[4].rewritten

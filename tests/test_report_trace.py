@@ -20,7 +20,8 @@ def test_trace_spans_last_the_predicted_time_under_the_site_profile(tmp_path):
   s = NamedSharding(msh, P("x", "y"))
   spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=s)
   f = jax.jit(lambda x, w: x @ w, in_shardings=(s, s), out_shardings=s)
-  report = meshslice.explain(f, profile="tpu-v4", relayout=False)(spec((1024, 12288)), spec((12288, 12288)))
+  report = meshslice.explain(f, profile="tpu-v4", relayout=False)(spec((1024, 12288)),
+                                                                  spec((12288, 12288)))
   sites = report.rewritten
   assert sites
   path = tmp_path / "trace.json"

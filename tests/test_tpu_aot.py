@@ -33,6 +33,7 @@ def _module(entry: str, *computations: str, partitions: int = 4) -> str:
   return head + "\n\n".join(textwrap.dedent(c).strip() for c in computations + (entry,))
 
 
+# (HLO fixtures keep the compiler's one-instruction-a-line text: hence `noqa: E501`.)
 DOT = """
 %dot (a: bf16[1024,1024], b: bf16[1024,1024]) -> bf16[1024,1024] {
   %a = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(0)
@@ -49,7 +50,7 @@ ENTRY %main (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[4096,1024] {
   %t = bf16[1024,1024]{0,1:T(8,128)(2,1)} copy(%f), backend_config={"estimated_cycles":"21000"}
   %m = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} copy(%p1)
   ROOT %r = bf16[4096,1024]{1,0:T(8,128)(2,1)} add(%ag, %ag), backend_config={"estimated_cycles":"0"}
-}""", DOT)
+}""", DOT)  # noqa: E501
 
 
 def test_sync_program_kinds_cycles_bytes():
@@ -93,7 +94,7 @@ ENTRY %main (p0: bf16[4096,1024]) -> bf16[1024,1024] {
   %id = u32[] partition-id()
   %c = u32[] constant(0)
   ROOT %ds = bf16[1024,1024]{1,0:T(8,128)(2,1)} dynamic-slice(%ar, %id, %c), dynamic_slice_sizes={1024,1024}
-}""")
+}""")  # noqa: E501
 
 
 def test_reduce_scatter_wrapped_in_a_fusion_is_a_reduce_scatter():
@@ -115,7 +116,7 @@ ENTRY %main (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[4096,1024] {
   %f = bf16[1024,1024]{1,0:T(8,128)(2,1)} fusion(%p1, %p1), kind=kOutput, calls=%dot, backend_config={"estimated_cycles":"105000"}
   %agd = bf16[4096,1024]{1,0:T(8,128)(2,1)} all-gather-done(%ags)
   ROOT %g = bf16[1024,1024]{1,0:T(8,128)(2,1)} fusion(%f, %p1), kind=kOutput, calls=%dot, backend_config={"estimated_cycles":"210000"}
-}""", DOT)
+}""", DOT)  # noqa: E501
 
 
 def test_async_collective_overlaps_what_runs_between_start_and_done():
@@ -146,7 +147,7 @@ LOOP_BODY = """
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
   ROOT %out = (s32[], bf16[1024,1024]{1,0:T(8,128)(2,1)}) tuple(%next, %f)
-}"""
+}"""  # noqa: E501
 LOOP_COND = """
 %cond (s: (s32[], bf16[1024,1024])) -> pred[] {
   %s = (s32[], bf16[1024,1024]{1,0:T(8,128)(2,1)}) parameter(0)
@@ -164,7 +165,7 @@ ENTRY %main (p0: bf16[1024,1024]) -> bf16[1024,1024] {{
   %init = (s32[], bf16[1024,1024]{{1,0:T(8,128)(2,1)}}) tuple(%zero, %p0)
   %w = (s32[], bf16[1024,1024]{{1,0:T(8,128)(2,1)}}) while(%init), condition=%cond, body=%body{while_attrs}
   ROOT %r = bf16[1024,1024]{{1,0:T(8,128)(2,1)}} get-tuple-element(%w), index=1
-}}""", DOT, LOOP_BODY, LOOP_COND)
+}}""", DOT, LOOP_BODY, LOOP_COND)  # noqa: E501
 
 
 def test_loop_bound_from_condition_and_windowed_einsum():
@@ -230,7 +231,7 @@ ENTRY %main (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[4096,1024] {
   %g = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(1)
   %ag = bf16[4096,1024]{1,0:T(8,128)(2,1)} all-gather(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
   ROOT %cc = bf16[4096,1024]{1,0:T(8,128)(2,1)} custom-call(%a, %g, %ag), custom_call_target="AsyncCollectiveDone"
-}""")
+}""")  # noqa: E501
 
 
 def test_tpu_async_collective_fusion_is_paired_and_overlapped():

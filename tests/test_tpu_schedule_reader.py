@@ -39,12 +39,13 @@ def _module(entry: str, *computations: str, partitions: int = 8) -> str:
 # libtpu's async all-gather fusion (start / continuation / done, the start's outputs
 # flowing into the continuation): the continuation holds the all-gather again *and* an
 # elementwise softmax-like fusion with 52500 estimated cycles (50 us), no dot.
+# (HLO fixtures keep the compiler's one-instruction-a-line text: hence `noqa: E501`.)
 _START = """
 %start_comp (a: bf16[1024,1024]) -> (bf16[1024,1024], bf16[4096,1024], u32[]) {
   %a = bf16[1024,1024]{L} parameter(0)
   %ag = bf16[4096,1024]{L} all-gather(%a), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"async_collective_fusion_config":{"flag_start":"-1","flag_end":"-1"}}
   ROOT %cc = (bf16[1024,1024]{L}, bf16[4096,1024]{L}, u32[]{:S(2)}) custom-call(%ag), custom_call_target="AsyncCollectiveStart"
-}"""
+}"""  # noqa: E501
 _CONT = """
 %CONT_NAME (a: bf16[1024,1024], g: bf16[4096,1024], x: f32[2048,1024]) -> (f32[2048,1024], bf16[4096,1024]) {
   %a = bf16[1024,1024]{L} parameter(0)
@@ -53,14 +54,14 @@ _CONT = """
   %e = f32[2048,1024]{1,0:T(8,128)} exponential(%x)
   %ag = bf16[4096,1024]{L} all-gather(%a), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
   ROOT %t = (f32[2048,1024]{1,0:T(8,128)}, bf16[4096,1024]{L}) tuple(%e, %ag)
-}"""
+}"""  # noqa: E501
 _DONE = """
 %done_comp (a: bf16[1024,1024], g: bf16[4096,1024]) -> bf16[4096,1024] {
   %a = bf16[1024,1024]{L} parameter(0)
   %g = bf16[4096,1024]{L} parameter(1)
   %ag = bf16[4096,1024]{L} all-gather(%a), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
   ROOT %cc = bf16[4096,1024]{L} custom-call(%a, %g, %ag), custom_call_target="AsyncCollectiveDone"
-}"""
+}"""  # noqa: E501
 _ENTRY = """
 ENTRY %main (p0: bf16[1024,1024], p1: f32[2048,1024]) -> bf16[4096,1024] {
   %p0 = bf16[1024,1024]{L} parameter(0)
@@ -71,7 +72,7 @@ ENTRY %main (p0: bf16[1024,1024], p1: f32[2048,1024]) -> bf16[4096,1024] {
   %fusion.27 = (f32[2048,1024]{1,0:T(8,128)}, bf16[4096,1024]{L}) fusion(%g0, %g1, %p1), kind=kOutput, calls=%CONT_NAME, backend_config={"flag_configs":[],"window_config":{"estimated_cycles":"52500"}}
   %c1 = bf16[4096,1024]{L} get-tuple-element(%fusion.27), index=1
   ROOT %async-collective-done = bf16[4096,1024]{L} fusion(%g0, %c1), kind=kCustom, calls=%done_comp
-}"""
+}"""  # noqa: E501
 
 
 def _continuation_module(name="async_collective_fusion.27"):
@@ -115,9 +116,10 @@ def test_sync_collective_fusion_fed_by_a_continuation_stays_a_collective():
   %id = u32[] partition-id()
   %c = u32[] constant(0)
   ROOT %ds = f32[512,1024]{1,0:T(8,128)} dynamic-slice(%ar, %id, %c), dynamic_slice_sizes={512,1024}
-}"""
+}"""  # noqa: E501
   text = _continuation_module().replace(
-      "  ROOT %async-collective-done", "  %c0 = f32[2048,1024]{1,0:T(8,128)} get-tuple-element(%fusion.27), index=0\n"
+      "  ROOT %async-collective-done",
+      "  %c0 = f32[2048,1024]{1,0:T(8,128)} get-tuple-element(%fusion.27), index=0\n"
       "  %rs = f32[512,1024]{1,0:T(8,128)} fusion(%c0), kind=kCustom, calls=%all-reduce-scatter\n"
       "  ROOT %async-collective-done") + "\n\n" + textwrap.dedent(rs).strip()
   ops = {op.name: op for op in ts.read_schedule(text).expanded()}
@@ -148,7 +150,7 @@ ENTRY %main (p0: bf16[1024,1024]) -> bf16[1024,1024] {
   %back-done = bf16[1024,1024]{L} collective-permute-done(%back)
   %row-done = bf16[1024,1024]{L} collective-permute-done(%row)
   ROOT %r = bf16[1024,1024]{L} add(%back-done, %row-done)
-}""")
+}""")  # noqa: E501
 
 
 def test_backward_column_permute_travels_the_column_link():
@@ -215,7 +217,7 @@ def _row_gather(config: str) -> str:
 ENTRY %main (p0: bf16[512,1024]) -> bf16[32768,1024] {{
   %p0 = bf16[512,1024]{{L}} parameter(0)
   ROOT %ag = bf16[32768,1024]{{L}} all-gather(%p0), channel_id=1, replica_groups=[4,64]<=[64,4]T(1,0), dimensions={{0}}, use_global_device_ids=true, backend_config={config}
-}}""", partitions=256)
+}}""", partitions=256)  # noqa: E501
 
 
 def test_two_torus_dim_axis_with_a_1d_emitter_gets_one_ring():
@@ -237,10 +239,10 @@ def test_two_torus_dim_axis_with_a_1d_emitter_gets_one_ring():
   assert one_ring == pytest.approx(1156.4 * US, abs=0.1 * US)
   assert ts.collective_seconds(op, prof) == pytest.approx(four_links)    # no axis_dims
   assert four_links == pytest.approx(742.2 * US, abs=0.1 * US)
-  assert ts.simulate(_row_gather(AG_1D), prof, clock_hz=1.05e9, axis_dims=dims).step_s == pytest.approx(one_ring)
+  simulate = lambda text: ts.simulate(text, prof, clock_hz=1.05e9, axis_dims=dims).step_s
+  assert simulate(_row_gather(AG_1D)) == pytest.approx(one_ring)
   # a 2D emitter on the same axis keeps both dims' links
-  assert ts.simulate(_row_gather(AG_2D), prof, clock_hz=1.05e9, axis_dims=dims).step_s == pytest.approx(
-      four_links)
+  assert simulate(_row_gather(AG_2D)) == pytest.approx(four_links)
 
 
 def test_async_gather_without_a_config_takes_its_sync_siblings_algorithm():
@@ -254,7 +256,7 @@ ENTRY %main (p0: bf16[512,1024], p1: bf16[512,1024]) -> bf16[32768,1024] {{
   %ags = (bf16[512,1024]{{L}}, bf16[32768,1024]{{L}}) all-gather-start(%p1), channel_id=2, replica_groups=[4,64]<=[64,4]T(1,0), dimensions={{0}}
   %agd = bf16[32768,1024]{{L}} all-gather-done(%ags)
   ROOT %r = bf16[32768,1024]{{L}} add(%ag, %agd)
-}}""", partitions=256)
+}}""", partitions=256)  # noqa: E501
   ops = {op.name: op for op in ts.read_schedule(text).expanded()}
   assert (ops["ag"].ring_dims, ops["ag"].ring_dims_source) == (1, "config")
   assert (ops["ags"].ring_dims, ops["ags"].ring_dims_source, ops["ags"].emitter) == (
@@ -272,7 +274,7 @@ def _all_to_all(groups: str) -> str:
 ENTRY %main (p0: bf16[4096,1024]) -> bf16[4096,1024] {{
   %p0 = bf16[4096,1024]{{L}} parameter(0)
   ROOT %a2a = bf16[4096,1024]{{L}} all-to-all(%p0), channel_id=1, replica_groups={groups}, dimensions={{0}}, backend_config={{"collective_algorithm_config":{{"emitter":"AllToAllEmitter"}}}}
-}}""")
+}}""")  # noqa: E501
 
 
 @pytest.mark.parametrize("groups", [
@@ -329,7 +331,7 @@ I1201 7713 latency_hiding_scheduler.cc:4341] Total wasted cycles: 48393.2
 I1201 7713 latency_hiding_scheduler.cc:4341] Wasted cycles for all-gather: 48393.2
 I1201 7713 latency_hiding_scheduler.cc:4341] Total cycles: 1.13401e+06
 I1201 7713 latency_hiding_scheduler.cc:4341] Memory pressure peak (bytes): 34604032
-"""
+"""  # noqa: E501
 
 
 def test_scheduler_log_is_read():

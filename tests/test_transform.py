@@ -115,7 +115,8 @@ def test_invalid_ksplit_falls_back_or_errors_when_strict():
   msh, s, args = _setup()
   f = jax.jit(_mlp, in_shardings=(s, s, s))
   report = meshslice.explain(f, ksplit=3)(*args)
-  assert [x.ksplit for x in report.sites] == [4, 4]   # extent 64 / lcm 4 = 16: nearest is 4 (tie 2/4 -> larger)
+  # extent 64 / lcm 4 = 16: nearest is 4 (tie 2/4 -> larger)
+  assert [x.ksplit for x in report.sites] == [4, 4]
   assert "ksplit=3 does not divide extent 64" in report.sites[0].note
   with pytest.raises(ValueError, match=re.escape(
       "ksplit=3 does not fit site #0 (") + r".*test_transform.py:\d+\), a os matmul over "
@@ -203,8 +204,9 @@ def test_planning_is_deterministic():
 
 
 @pytest.mark.parametrize("kwargs,exc,message", [
-    (dict(fancy=True), TypeError, "meshslice.transform got an unknown option 'fancy'; "
-                                  "allowed options: algorithm, ksplit, max_ksplit, min_block, strict"),
+    (dict(fancy=True), TypeError,
+     "meshslice.transform got an unknown option 'fancy'; "
+     "allowed options: algorithm, ksplit, max_ksplit, min_block, strict"),
     (dict(ksplit=0), ValueError, "ksplit must be a positive int (1 = no slicing) or None for "
                                  "automatic, got 0"),
     (dict(algorithm="nope"), ValueError, "algorithm must be one of 'meshslice', 'collective'"),
