@@ -194,7 +194,8 @@ def main(argv):
   print(f"plain jax.jit: lower {base['lower_s'] * 1e3:.0f} ms, collective bytes/device "
         f"{base['bytes'] / 1e6:.3f} MB, temp {base['temp'] / 1e6:.3f} MB, step "
         f"{base['step_s'] * 1e3:.2f} ms")
-  header = f"{'variant':<16}{'lower':>9}{'bytes':>9}{'temp':>9}{'step':>9}   (ratios vs plain jax.jit)"
+  header = (f"{'variant':<16}{'lower':>9}{'bytes':>9}{'temp':>9}{'step':>9}"
+            "   (ratios vs plain jax.jit)")
   print(header)
   for name, options in VARIANTS.items():
     m = measure(cfg, mesh, options, REPEATS.value)

@@ -70,14 +70,14 @@ def _demo(argv) -> int:
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   def autotune(args):
-    from .costmodel import cli
+    from meshslice.costmodel import cli
     return cli.main(["autotune"] + args)
 
   def calibrate(args):
     if any(a == "--aot" or a.startswith("--aot=") for a in args):
       from .calibrate_aot import calibrate_main   # fit the planner's terms to TPU compiles
       return calibrate_main(args)
-    from .costmodel import calibrate as calibration
+    from meshslice.costmodel import calibrate as calibration
     return calibration.main(args)
 
   def aot(args):

@@ -357,8 +357,8 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
   Example:
     >>> aot.analyze(compiled, "tpu-v4", mesh_shape=(32, 8)).simulation.step_s  # doctest: +SKIP
   """
-  from .costmodel import profile_for_mesh, tpu_schedule
-  from .costmodel.profiles import load_profile
+  from meshslice.costmodel import profile_for_mesh, tpu_schedule
+  from meshslice.costmodel.profiles import load_profile
   base = load_profile(profile)
   prof = base if mesh_shape is None else profile_for_mesh(base, tuple(mesh_shape))
   text = compiled.as_text()
@@ -439,7 +439,7 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   import jax
   from jax.sharding import NamedSharding
   from . import gpt
-  from .costmodel import model_spec
+  from meshslice.costmodel import model_spec
   spec = model_spec(model, seq=seq)
   n = mesh.devices.size
   cfg = gpt.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,

@@ -162,6 +162,7 @@ def compile_in_subprocess(topology: str, mesh_shape, cases, flag_set: str, *,
   proc = subprocess.Popen([sys.executable, "-m", "meshslice.aot_sites", json.dumps(spec)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   records = []
+  assert proc.stdout is not None       # stdout=PIPE
   try:
     for line in proc.stdout:
       if line.startswith("RECORD "):

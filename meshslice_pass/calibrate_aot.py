@@ -57,8 +57,8 @@ def calibrate_main(argv) -> int:
   if not aot.have_libtpu():
     parser.error("needs libtpu: pip install -e '.[tpu]'")
   import jax
-  from .costmodel import compiler_fit, load_profile, xla_baseline
-  from .costmodel.tpu_schedule import CLOCK_HZ
+  from meshslice.costmodel import compiler_fit, load_profile, xla_baseline
+  from meshslice.costmodel.tpu_schedule import CLOCK_HZ
   base = load_profile(args.profile or gen.profile)
   cases = [Case(dataflow=flow, m=m, k=k, n=n, label=f"{flow} {m}x{k}x{n}")
            for m, k, n in shapes for flow in flows]

@@ -96,7 +96,7 @@ _HLO = textwrap.dedent("""
       %f = bf16[1024,1024]{1,0:T(8,128)(2,1)} fusion(%p1, %p1), kind=kOutput, calls=%dot, backend_config={"flag_configs":[],"window_config":{"estimated_cycles":"105000"}}
       %t = bf16[1024,1024]{0,1:T(8,128)(2,1)} copy(%f), backend_config={"estimated_cycles":"21000"}
       ROOT %r = bf16[4096,1024]{1,0:T(8,128)(2,1)} add(%ag, %ag), backend_config={"estimated_cycles":"0"}
-    }""").strip()
+    }""").strip()  # noqa: E501 (HLO lines as the compiler prints them)
 
 
 @dataclasses.dataclass
