@@ -15,7 +15,13 @@ the integration on a step of our own built the way MaxText builds its own
   optax state}, with the parameter paths MaxText gives (`decoder/layers/mlp/wo/kernel`);
 - `train_step(state, data)` jitted as `maxtext_utils.get_functional_train_with_signature`
   jits it: in_shardings (state, batch), out_shardings (state, None), donate_argnums=0.
+
+And the `source` column where no frame is the user's (MaxText's model is MaxText's own
+code): the enclosing layer's line that calls the projection (`Attention.__call__`'s
+`query = self.query_projection(...)`), not the one `dot_general` line all projections share.
 """
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,3 +281,60 @@ def test_aot_compiles_plain_and_transformed_for_a_small_tpu_topology():
     results[name] = aot.analyze(compiled, "tpu-v4", compile_s=seconds)
   assert all(r.summary.compute_cycles > 0 for r in results.values())
   assert "simulated step (ms)" in aot.format_table(results)
+
+
+# -- the source column when no frame is the user's (MaxText's model is MaxText's code) ------
+
+_FRAMEWORK = '''
+class DenseGeneral:
+  def __call__(self, x):
+    return dot_general(x)
+
+class Attention:
+  def query_projection(self, x):
+    return self.query(x)
+
+  def __call__(self, x):
+    query = self.query_projection(x)
+    return query
+
+def error_handler(*args):
+  return fn(*args)
+
+class Layer:
+  def __call__(self, x):
+    return error_handler(x)
+'''
+
+
+def _framework_code(root):
+  """Code objects of `_FRAMEWORK` as if installed under `root`, by qualified name."""
+  code = compile(_FRAMEWORK, f"{root}/fakefw/layers.py", "exec")
+  found = {}
+  def collect(c):
+    found[c.co_qualname] = c
+    for const in c.co_consts:
+      if hasattr(const, "co_qualname"):
+        collect(const)
+  collect(code)
+  return found
+
+
+def test_the_source_falls_back_to_the_enclosing_layers_line_calling_the_projection():
+  from meshslice import provenance
+  code = _framework_code("/venv/lib/python3.12/site-packages")
+  # innermost first: DenseGeneral.__call__ <- Attention.query_projection <- Attention.__call__
+  chain = [code["DenseGeneral.__call__"], code["Attention.query_projection"],
+           code["Attention.__call__"]]
+  assert provenance.enclosing_layer_call(chain) == 2
+  # a layer called straight from the enclosing layer's __call__ (RMSNorm in a decoder layer)
+  assert provenance.enclosing_layer_call(chain[:1] + chain[2:]) == 1
+  # dispatch through a wrapper function (Keras's Layer.__call__ -> error_handler ->
+  # Operation.__call__): no layer line, JAX's own guess stays
+  assert provenance.enclosing_layer_call(
+      [code["DenseGeneral.__call__"], code["error_handler"], code["Layer.__call__"]]) is None
+  # layers of the core libraries (flax, equinox, ...) are not a framework's model code
+  import flax
+  inside_flax = _framework_code(os.path.dirname(flax.__file__))
+  assert provenance.enclosing_layer_call(
+      [inside_flax["DenseGeneral.__call__"], inside_flax["Attention.__call__"]]) is None
