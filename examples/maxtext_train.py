@@ -8,7 +8,8 @@ shardings, donating the state; NNX `Rngs` keys inside the state), then:
 
   1. `meshslice.explain`: the report (every matmul, its plan or why it is left alone, its
      module path such as `decoder/layers/mlp/wo`);
-  2. a module-path override (`--pin`, default '*/mlp/wo') and the sites it pins;
+  2. an override (`--pin`: a module-path glob, default '*/mlp/wo', or a 'file:line')
+     and the sites it pins;
   3. `meshslice.check`: the transformed step against plain jit and an unsharded run on
      one device (slicing forced with --ksplit so the sliced pipeline really runs; the
      donated state is copied by check);
@@ -25,12 +26,14 @@ Needs MaxText (Python >= 3.12): install steps in docs/maxtext.md. In short:
   .venv-maxtext/bin/pip install -e . --no-deps
 Run:
   .venv-maxtext/bin/python examples/maxtext_train.py [CONFIG.yml] [key=value ...]
-      [--pin GLOB] [--ksplit N] [--aot-ksplit N] [--no-aot] [--no-tiny]
+      [--pin GLOB|FILE:LINE] [--ksplit N] [--aot-ksplit N] [--no-aot | --aot-only]
+      [--no-tiny]
 CONFIG defaults to MaxText's configs/base.yml. Unless --no-tiny, tiny defaults come first
 (llama2 with 2 layers of embed 64, 8 tokens x 16 per step, fsdp=2 x tensor=4 on 8 emulated
 CPU devices, compile_topology=v4-16), your key=value overrides after them. Runs on the
-CPU (JAX_PLATFORMS=cpu unless set). Exits 0 with a message when MaxText is missing,
-non-zero when the check fails.
+CPU (JAX_PLATFORMS=cpu unless set). --aot-only skips 1-4: the compile needs no memory
+for the model, so a full-size config works. Exits 0 with a message when MaxText is
+missing, non-zero when the check fails.
 """
 from __future__ import annotations
 
@@ -174,17 +177,53 @@ def run_aot(config, ksplit):
   print(aot.format_table(results))
 
 
+def run_step(config, args):
+  """Explain, pin, check and run MaxText's step on this machine's devices; the check."""
+  from flax.linen import partitioning as nn_partitioning
+  step, state, batch, mesh = maxtext_train_step(config)
+  # MaxText calls its step inside these two contexts; so does everything below
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    report = meshslice.explain(step)(state, batch)
+    print(report)
+    print("sites per plan:")
+    for plan, n in sorted(plan_counts(report).items()):
+      print(f"  {n:3d}  {plan}")
+
+    pin = {args.pin: {"ksplit": 2}}
+    try:
+      pinned = [s for s in meshslice.transform(step, overrides=pin).explain(state, batch).sites
+                if s.ksplit == 2]
+      print(f"overrides={pin} pins {len(pinned)} sites: "
+            + ", ".join(f"#{s.index} {s.module} ({s.direction})" for s in pinned))
+    except ValueError as e:             # a pin the site cannot take is refused, with why
+      print(f"overrides={pin} refused: {e}")
+
+    result = meshslice.check(step, ksplit=args.ksplit)(state, batch)
+    print(result)
+    print(f"forced ksplit={args.ksplit}: {result.report.summary()}")
+
+    # the transformed step is a drop-in for MaxText's p_train_step: it donates the state
+    fast = meshslice.transform(step)
+    state, metrics = fast(state, batch)
+    print(f"transformed step ran: loss {float(metrics['scalar']['learning/loss']):.5f}")
+  return result
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("config", nargs="*", metavar="CONFIG.yml | key=value",
                       help="a MaxText yml (default: its configs/base.yml) and overrides")
   parser.add_argument("--pin", default="*/mlp/wo",
-                      help="a module-path glob to pin with ksplit=2 (default '*/mlp/wo')")
+                      help="a module-path glob or 'file:line' to pin with ksplit=2 "
+                           "(default '*/mlp/wo')")
   parser.add_argument("--ksplit", type=int, default=2, help="slices per site in the check")
   parser.add_argument("--aot-ksplit", type=int, default=None,
                       help="force this ksplit in the AOT-compiled transformed step "
                            "(default: the cost model's plan)")
   parser.add_argument("--no-aot", action="store_true", help="skip the TPU ahead-of-time part")
+  parser.add_argument("--aot-only", action="store_true",
+                      help="only the ahead-of-time part: abstract inputs, so a full-size "
+                           "config needs no memory on this machine")
   parser.add_argument("--no-tiny", action="store_true",
                       help="do not apply the tiny defaults (your config as it is)")
   parser.add_argument("--tiny", action="store_true", help="the tiny defaults (the default)")
@@ -195,7 +234,6 @@ def main(argv=None) -> int:
     parser.error(f"one config file, got {paths}")
   try:
     import maxtext
-    from flax.linen import partitioning as nn_partitioning
     from maxtext.trainers.pre_train import train  # noqa: F401
   except ImportError as e:
     print(INSTALL.format(error=e))
@@ -203,31 +241,7 @@ def main(argv=None) -> int:
   print(f"maxtext {getattr(maxtext, '__version__', '?')}, jax {jax.__version__}, "
         f"{len(jax.devices())} {jax.devices()[0].platform} devices")
   config = maxtext_config(paths[0] if paths else None, overrides, tiny=not args.no_tiny)
-  step, state, batch, mesh = maxtext_train_step(config)
-  rules = config.logical_axis_rules
-
-  # MaxText calls its step inside these two contexts; so does everything below
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(rules):
-    report = meshslice.explain(step)(state, batch)
-    print(report)
-    print("sites per plan:")
-    for plan, n in sorted(plan_counts(report).items()):
-      print(f"  {n:3d}  {plan}")
-
-    pin = {args.pin: {"ksplit": 2}}
-    pinned = [s for s in meshslice.transform(step, overrides=pin).explain(state, batch).sites
-              if s.ksplit == 2]
-    print(f"overrides={pin} pins {len(pinned)} sites: "
-          + ", ".join(f"#{s.index} {s.module} ({s.direction})" for s in pinned))
-
-    result = meshslice.check(step, ksplit=args.ksplit)(state, batch)
-    print(result)
-    print(f"forced ksplit={args.ksplit}: {result.report.summary()}")
-
-    # the transformed step is a drop-in for MaxText's p_train_step: it donates the state
-    fast = meshslice.transform(step)
-    state, metrics = fast(state, batch)
-    print(f"transformed step ran: loss {float(metrics['scalar']['learning/loss']):.5f}")
+  result = None if args.aot_only else run_step(config, args)
 
   if args.no_aot:
     print("aot: skipped (--no-aot)")
@@ -239,7 +253,7 @@ def main(argv=None) -> int:
   else:
     run_aot(config, args.aot_ksplit)
 
-  if not result.ok:
+  if result is not None and not result.ok:
     print("FAILED: the transformed step disagrees with the reference", file=sys.stderr)
     return 1
   print("OK")
