@@ -22,6 +22,9 @@ Example:
   'layers/mlp/wo'
   >>> module_of_key_path("[0]['attn']['value']['kernel'].value")
   'attn/value'
+  >>> module_of_key_path("[0]['optimizer']['opt_state'][0]['mu']['decoder']['mlp']['wo']"
+  ...                     "['kernel'].value")
+  'decoder/mlp/wo'
 """
 from __future__ import annotations
 
@@ -42,9 +45,13 @@ _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "add_any", "select_
 _CALLS = frozenset({"jit", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"})
 # key-path parts that are containers, not names: variable collections and optimizer
 # states (dict keys), and the attribute a framework keeps the array in (`.value`; a dict
-# key 'value' is a name: an attention's value projection)
+# key 'value' is a name: an attention's value projection). 'model' and 'optimizer' are
+# the halves of an NNX train state (MaxText's TrainStateNNX, nnx.Optimizer): without
+# them a weight gradient, named through the optimizer state it updates, gets the same
+# module as its parameter ('decoder/layers/mlp/wo' for both).
 _NOT_NAMES = frozenset({"params", "param", "state", "opt_state", "variables",
-                        "trainable_variables", "mu", "nu", "trace", "inner_state"})
+                        "trainable_variables", "mu", "nu", "trace", "inner_state",
+                        "model", "optimizer"})
 _NOT_ATTRIBUTES = frozenset({"value", "raw_value", "_value", "mu", "nu", "trace",
                              "inner_state"})
 

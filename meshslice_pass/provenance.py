@@ -5,8 +5,10 @@ libraries and frameworks models are written with (any installed package: flax, o
 keras, keras_hub, penzai, maxtext, praxis, ...), numpy, the Python stdlib and meshslice
 are skipped, as JAX's own traceback filtering skips its internals. A package the user
 writes their model in can be named as their own (option `source_packages`), and its
-frames then count. Files are made portable (`portable_path`), so plans saved on one host
-apply on another. `module_path` reads module names from JAX's name stack.
+frames then count. Where no frame is the user's (MaxText's model is MaxText's own code),
+the source is the line in the enclosing layer that calls the matmul's layer
+(`enclosing_layer_call`). Files are made portable (`portable_path`), so plans saved on one
+host apply on another. `module_path` reads module names from JAX's name stack.
 
 Example:
   >>> is_library_file("/venv/lib/python3.12/site-packages/keras/src/layers/core/dense.py")
@@ -39,15 +41,64 @@ def source_location(eqn, source_packages=()) -> str:
 
 
 def user_frame(traceback, source_packages=()):
-  """The innermost frame of `traceback` outside library files (`is_library_file`); JAX's
-  own guess when there is none; None without a traceback."""
+  """The innermost frame of `traceback` outside library files (`is_library_file`); when
+  there is none (a framework's own model, e.g. MaxText's), the line of the enclosing layer
+  that calls the layer holding the matmul (`enclosing_layer_call`); else JAX's own guess;
+  None without a traceback."""
   if traceback is None:
     return None
   code, lasti = raw_frames(traceback)
   for c, i in zip(code, lasti):
     if not is_library_file(c.co_filename, source_packages):
       return frame_of(c, i)
+  k = enclosing_layer_call(code)
+  if k is not None:
+    return frame_of(code[k], lasti[k])
   return jax_user_frame(traceback)
+
+
+def enclosing_layer_call(code) -> int | None:
+  """Index (into `code`, innermost first) of the frame whose line calls the layer a matmul
+  is in, inside the layer that encloses it: a framework layer's `__call__` (MaxText's
+  `DenseGeneral.__call__`), then only methods of one class up to that class's `__call__`
+  (`Attention.query_projection` in `Attention.__call__`: the line `query =
+  self.query_projection(...)`). That line tells query from key, wi_0 from wo, where the
+  matmul's own line (one `dot_general` in DenseGeneral) does not. None when no layer is
+  called that way (Keras and penzai dispatch through their own wrappers and containers:
+  their lines would be the same for every layer)."""
+  for k, c in enumerate(code):
+    if _method(c)[1] != "__call__" or _core_library_file(c.co_filename):
+      continue
+    between = set()
+    for j in range(k + 1, len(code)):
+      owner, method = _method(code[j])
+      if owner is None or _core_library_file(code[j].co_filename):
+        break
+      if method == "__call__":
+        if between <= {owner}:
+          return j
+        break
+      between.add(owner)
+  return None
+
+
+def _method(code) -> tuple:
+  """(class, method) of a code object defined in a class body; (None, name) otherwise."""
+  owner, _, name = code.co_qualname.rpartition(".")
+  return (owner if owner and "<" not in owner else None), name
+
+
+@functools.lru_cache(maxsize=4096)
+def _core_library_file(filename: str) -> bool:
+  """JAX, the libraries of `LIBRARIES`, the stdlib (not its site-packages: a virtualenv's
+  stdlib folder holds them), frozen and generated code."""
+  if filename.startswith("<"):
+    return True
+  filename = os.path.abspath(filename)
+  if any(filename.startswith(d) for d, _ in _library_dirs()):
+    return True
+  return _after_package_dir(filename) is None and any(filename.startswith(d)
+                                                      for d in _stdlib_dirs())
 
 
 # Top-level packages whose frames are never "the user's code", wherever they are installed
