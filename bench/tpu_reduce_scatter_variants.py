@@ -6,14 +6,16 @@ the collective plan's reduce-scatter sites (the weight gradients) expose their w
 transfer. This experiment compiles the GPT-3 step with the collective plan three ways,
 each against XLA's best program (dense_async) compiled with the same flags:
 
-  psum_scatter  the rewrite as the pass emits it (one reduce-scatter per site)
-  all_to_all    each reduce-scatter written as an all-to-all (async on v4 with
-                --xla_tpu_enable_async_all_to_all) followed by a local sum of the n pieces
-  ring          each reduce-scatter written as n-1 collective-permutes (async) with adds
+  psum_scatter  the rewrite as the pass emits it by default (one reduce-scatter per site)
+  all_to_all    the pass option reduce_scatter="all_to_all": each reduce-scatter as an
+                all-to-all (async on v4 with --xla_tpu_enable_async_all_to_all) followed
+                by a local sum of the n pieces
+  ring          each reduce-scatter written as n-1 collective-permutes (async) with adds,
+                swapped in for `jax.lax.psum_scatter` while the rewrite is traced (an
+                experiment, not a pass option)
 
-The two alternatives are swapped in for `jax.lax.psum_scatter` while the rewrite is traced
-(an experiment, not a pass option). Every variant, XLA included, is compiled with v4's
-safe async flags, windowed einsum off, and async all-to-all on.
+Every variant, XLA included, is compiled with v4's safe async flags, windowed einsum off,
+and async all-to-all on.
 
   python bench/tpu_reduce_scatter_variants.py                    # v4:2x2x2 as 2x4, batch 8
   python bench/tpu_reduce_scatter_variants.py v4:8x8x4 64x4 256  # the pod (slow compiles)
@@ -37,23 +39,11 @@ def main(argv) -> int:
   aot.set_flags(*flags)                    # before libtpu loads
 
   import jax
-  import jax.numpy as jnp
   from jax import lax
 
   import meshslice
 
   psum_scatter = lax.psum_scatter
-
-  def all_to_all_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, **kw):
-    n = lax.psum(1, axis_name)
-    if not tiled or kw or n == 1:
-      return psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled,
-                          **kw)
-    d = scatter_dimension
-    pieces = x.reshape(x.shape[:d] + (n, x.shape[d] // n) + x.shape[d + 1:])
-    # piece j goes to device j; what arrives at index i came from device i
-    received = lax.all_to_all(pieces, axis_name, split_axis=d, concat_axis=d, tiled=False)
-    return jnp.sum(received, axis=d)
 
   def ring_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, **kw):
     n = lax.psum(1, axis_name)
@@ -76,9 +66,11 @@ def main(argv) -> int:
   step, params, data = aot.model_step("gpt3", mesh, layers=1, batch=batch)
   rows = {}
   for name, scatter in (("xla (dense_async)", None), ("psum_scatter", psum_scatter),
-                        ("all_to_all", all_to_all_scatter), ("ring", ring_scatter)):
+                        ("all_to_all", "option"), ("ring", ring_scatter)):
     fn = step
-    if scatter is not None:
+    if scatter == "option":
+      fn = meshslice.transform(step, algorithm="collective", reduce_scatter="all_to_all")
+    elif scatter is not None:
       lax.psum_scatter = scatter
       fn = meshslice.transform(step, algorithm="collective")
     start = time.perf_counter()

@@ -519,8 +519,11 @@ def _collective_ops(profile, mv: Movement, parts: int, label: str) -> list[Op]:
   return [Op(stream=mv.link, name=label, seconds=t)]
 
 
-@_algorithm("meshslice")
-def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
+# scatter (the form of the reduce-scatter: one collective, or an all-to-all and a local
+# sum) moves the same bytes over the same link; which form the compiler overlaps is the
+# compiler's business (docs/tpu.md), so this model prices both alike.
+@_algorithm("meshslice", options=("scatter",))
+def _meshslice(p: GemmProblem, dataflow, ksplit, profile, scatter="reduce_scatter"):
   """MeshSlice with S = ksplit block-cyclic slices, software-pipelined (as emitted):
 
       prologue: all-gather(s=0)                 # os: both, one after the other (sync)
@@ -580,8 +583,8 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile):
   return stages, f"{ksplit} slices"
 
 
-@_algorithm("collective")
-def _collective(p, dataflow, ksplit, profile):
+@_algorithm("collective", options=("scatter",))
+def _collective(p, dataflow, ksplit, profile, scatter="reduce_scatter"):
   """The GSPMD algorithm as XLA emits it with windowed einsum off (and as
   `rewrites.build_body("collective")` does): synchronous all-gather(s), one after the
   other, the matmul, then the reduce-scatter; nothing overlaps (total = the sum of all
@@ -837,7 +840,7 @@ def algorithm_options(algorithm: str) -> tuple[str, ...]:
   """The keyword options the time model of `algorithm` takes.
 
   Example:
-    >>> algorithm_options("wang"), algorithm_options("meshslice")
+    >>> algorithm_options("wang"), algorithm_options("summa")
     (('ring', 'bidirectional'), ())
   """
   if algorithm not in _SCHEDULES:

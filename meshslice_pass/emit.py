@@ -78,8 +78,8 @@ class Emitter:
 
   def _plan_key(self, site):
     """What the emitted code of a planned site depends on besides its operand types."""
-    return (site.algorithm, site.geometry, site.ksplit, site.specs, site.swapped,
-            self._ties(site), self._nests(site))
+    return (site.algorithm, site.geometry, site.ksplit, site.reduce_scatter, site.specs,
+            site.swapped, self._ties(site), self._nests(site))
 
   def run(self, closed: ClosedJaxpr, *args):
     return self.eval(closed.jaxpr, closed.consts, args, ())
@@ -124,7 +124,8 @@ class Emitter:
     key = self._plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs))
     traced = self._traced.get(key)
     if traced is None:
-      body = build_body(site.algorithm, site.geometry, site.ksplit)
+      options = {"scatter": site.reduce_scatter} if site.reduce_scatter else {}
+      body = build_body(site.algorithm, site.geometry, site.ksplit, **options)
       if self._nests(site):
         body = in_own_computation(body)
       if self._ties(site):

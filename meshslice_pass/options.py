@@ -10,7 +10,7 @@ from meshslice.costmodel import HardwareProfile, known_profiles, load_profile, x
 
 from .errors import PinError
 from .plan import Plan
-from .pins import validate_algorithm, validate_count, validate_pin
+from .pins import validate_algorithm, validate_count, validate_pin, validate_reduce_scatter
 
 DEFAULT_PROFILE = "tpu-v4"
 
@@ -37,8 +37,9 @@ class Options:
       that more than 10% faster (noted in the report); False keeps every site in the
       dataflow its operands' layouts give (a pinned `dataflow` is still honoured).
     overrides: pin sites: {key: {"algorithm": ..., "dataflow": ..., "ksplit": ...,
-      "rewrite": bool}}. A key is a site index (int), a source location "file:line"
-      (the user's line; matched as a path suffix, e.g. "model.py:41"), or a module-path
+      "rewrite": bool, "reduce_scatter": ...}}. A key is a site index (int), a source
+      location "file:line" (the user's line; matched as a path suffix, e.g.
+      "model.py:41"), or a module-path
       glob pattern (fnmatch, matched against the whole path, e.g. "*/MlpBlock_*/Dense_1").
       Settings merge per key, the more specific key winning: index > file:line > module
       pattern > plan > the global options. Several patterns matching one site merge; two
@@ -64,6 +65,13 @@ class Options:
       ("keras_hub",) or ("maxtext",)): their frames count as yours in the report's
       `source` column, which otherwise skips every installed package (frameworks) as it
       skips JAX's internals.
+    reduce_scatter: how ls / rs sites of the meshslice and collective algorithms
+      reduce-scatter their partial products: "reduce_scatter" (None, the default: one
+      reduce-scatter collective per slice) or "all_to_all" (an all-to-all and a local
+      sum). On TPU v4 libtpu keeps reduce-scatters synchronous but runs all-to-alls
+      asynchronously under `--xla_tpu_enable_async_all_to_all=true`, so the second form
+      can hide a weight gradient's reduce-scatter under the rest of the backward pass,
+      at the price of the sum (docs/tpu.md). Also a per-site pin key.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None
@@ -84,6 +92,7 @@ class Options:
   xla_baseline: str = "auto"
   compiler_terms: object = None
   source_packages: tuple = ()
+  reduce_scatter: str | None = None
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -135,6 +144,7 @@ class Options:
 
   def validate(self):
     validate_algorithm(self.algorithm)
+    validate_reduce_scatter(self.reduce_scatter)
     for name in ("ksplit", "max_ksplit", "min_block"):
       validate_count(name, getattr(self, name), automatic_allowed=name == "ksplit")
     for name in ("strict", "relayout"):
@@ -183,6 +193,7 @@ class Options:
         rewrite=pin.get("rewrite"), dataflow=pin.get("dataflow"),
         algorithm=pin.get("algorithm", self.algorithm),
         ksplit=pin.get("ksplit", self.ksplit),
+        reduce_scatter=pin.get("reduce_scatter", self.reduce_scatter),
         strict=self.strict or bool({"algorithm", "ksplit"} & set(pin)),
         origin=tuple(sorted(origin.items())))
 
@@ -199,6 +210,7 @@ class SiteRequest:
   algorithm: str | None = None
   dataflow: str | None = None
   ksplit: int | None = None
+  reduce_scatter: str | None = None
   strict: bool = False
   # not compared: sites with the same request share one planning decision
   origin: tuple = dataclasses.field(default=(), compare=False)

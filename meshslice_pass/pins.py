@@ -8,7 +8,7 @@ Example:
   Traceback (most recent call last):
   ...
   meshslice.errors.PinError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow,
-  ksplit, rewrite
+  ksplit, rewrite, reduce_scatter
   >>> validate_pin("overrides[3]", {"ksplit": 0})
   Traceback (most recent call last):
   ...
@@ -20,10 +20,11 @@ from __future__ import annotations
 import difflib
 
 from meshslice.rewrites import ALGORITHMS
+from meshslice.rewrites.scatter import SCATTER_FORMS
 
 from .errors import PinError
 
-PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite")
+PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite", "reduce_scatter")
 
 
 def _did_you_mean(value, choices) -> str:
@@ -52,8 +53,17 @@ def validate_count(name: str, value, *, automatic_allowed: bool = False,
     raise PinError(f"{name} must be a positive int (1 = no slicing){hint}, got {value!r}")
 
 
+def validate_reduce_scatter(value, name: str = "reduce_scatter") -> None:
+  """How ls / rs sites reduce-scatter their partial products: one of SCATTER_FORMS, or
+  None for the default (one reduce-scatter collective)."""
+  if value is not None and value not in SCATTER_FORMS:
+    raise PinError(f"{name} must be one of {', '.join(map(repr, SCATTER_FORMS))} (or None "
+                   f"for 'reduce_scatter'), got {value!r}{_did_you_mean(value, SCATTER_FORMS)}")
+
+
 def validate_pin(where: str, pin) -> None:
-  """A per-site pin {algorithm, dataflow, ksplit, rewrite}; `where` names it in errors."""
+  """A per-site pin {algorithm, dataflow, ksplit, rewrite, reduce_scatter}; `where` names
+  it in errors."""
   if not isinstance(pin, dict):
     raise PinError(f"{where} must be a dict with keys from {', '.join(PIN_KEYS)}, got "
                    f"{type(pin).__name__}")
@@ -68,5 +78,6 @@ def validate_pin(where: str, pin) -> None:
   if pin.get("dataflow") not in (None, "os", "ls", "rs"):
     raise PinError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
                    f"{pin['dataflow']!r}{_did_you_mean(pin['dataflow'], ('os', 'ls', 'rs'))}")
+  validate_reduce_scatter(pin.get("reduce_scatter"), f"{where}: reduce_scatter")
   if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
     raise PinError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")

@@ -15,11 +15,12 @@ import json
 import os
 
 from .errors import PinError, PlanError
-from .pins import validate_algorithm, validate_count, validate_pin
+from .pins import validate_algorithm, validate_count, validate_pin, validate_reduce_scatter
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
              "ksplit": (int, type(None)), "rewrite": bool, "module": str,
+             "reduce_scatter": (str, type(None)),
              "predicted_seconds": (float, int, type(None)),
              "baseline_seconds": (float, int, type(None))}
 VERSION = 1
@@ -48,6 +49,9 @@ class Plan:
                "source": s.source, "module": getattr(s, "module", ""),
                "rewritten": s.rewritten, "algorithm": s.algorithm,
                "dataflow": s.dataflow, "ksplit": s.ksplit}
+      # written only when set, so plans of the default form stay byte-identical
+      if s.rewritten and getattr(s, "reduce_scatter", None):
+        entry["reduce_scatter"] = s.reduce_scatter
       for name in ("predicted_seconds", "baseline_seconds"):
         value = getattr(s, name, None)
         if value is not None:
@@ -116,7 +120,8 @@ class Plan:
 
   # -- editing and applying
   def edit(self, index: int, **pin) -> "Plan":
-    """A copy with site `index` pinned: algorithm=, dataflow=, ksplit=, rewrite=."""
+    """A copy with site `index` pinned: algorithm=, dataflow=, ksplit=, rewrite=,
+    reduce_scatter=."""
     where = f"Plan.edit(site {index!r})"
     for name, value in pin.items():
       if value is None:
@@ -148,7 +153,8 @@ class Plan:
           return {"rewrite": False}
         if not entry["rewritten"] and not entry.get("edited"):
           return {}
-        return {k: entry[k] for k in ("algorithm", "dataflow", "ksplit") if entry.get(k)}
+        return {k: entry[k] for k in ("algorithm", "dataflow", "ksplit", "reduce_scatter")
+                if entry.get(k)}
     return {}
 
   def check_matches(self, sites, mesh_shape=None) -> None:
@@ -200,6 +206,7 @@ def _check_entry(where: str, entry: dict) -> None:
   validate_count(f"{where}.ksplit", entry.get("ksplit"), automatic_allowed=True,
                  unset=" or null")
   validate_algorithm(entry.get("algorithm"), f"{where}.algorithm", unset=" or null")
+  validate_reduce_scatter(entry.get("reduce_scatter"), f"{where}.reduce_scatter")
   dataflow = entry.get("dataflow")
   if dataflow is not None and dataflow not in _DATAFLOWS:
     raise PinError(f"{where}.dataflow must be one of {', '.join(map(repr, _DATAFLOWS))} "

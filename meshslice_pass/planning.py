@@ -67,6 +67,8 @@ class Site:
   dataflow: str | None = None
   ksplit: int | None = None
   block: int | None = None
+  # the form of an ls / rs site's reduce-scatter when not one collective ("all_to_all")
+  reduce_scatter: str | None = None
   mesh_axes: tuple = ()
   reason: str = ""
   note: str = ""
@@ -428,9 +430,27 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     if algorithm is None:     # every candidate is too big for the chip
       return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
                                  block=None, predicted_seconds=None, reason=note)
+  form, form_note = _scatter_form(request, algorithm, match.dataflow)
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
-                             predicted_seconds=seconds, note=_join(site.note, note))
+                             reduce_scatter=form, predicted_seconds=seconds,
+                             note=_join(site.note, note, form_note))
+
+
+def _scatter_form(request, algorithm, dataflow):
+  """(the site's reduce-scatter form or None for one collective, a note when a form
+  pinned on this site does not apply): only ls / rs sites of meshslice and collective
+  reduce-scatter."""
+  asked = request.reduce_scatter
+  if asked in (None, "reduce_scatter"):
+    return None, ""
+  if dataflow in ("ls", "rs") and algorithm in ("meshslice", "collective"):
+    return asked, ""
+  if not request.pinned_by("reduce_scatter"):
+    return None, ""      # the global option is for the sites it applies to
+  return None, (f"{_pinned_by(request, 'reduce_scatter')}reduce_scatter={asked!r} not used: "
+                f"only the ls / rs sites of meshslice and collective take it (this is "
+                f"{algorithm} {dataflow})")
 
 
 def _pinned_by(request, name) -> str:

@@ -109,6 +109,8 @@ class Report:
         axes = (f"r={s.mesh_axes[0] or '-'} c={s.mesh_axes[1] or '-'}"
                 if len(s.mesh_axes) == 2 else f"axis={s.mesh_axes[0]}")
         plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {axes}"
+        if getattr(s, "reduce_scatter", None):
+          plan += f" rs={s.reduce_scatter}"
       else:
         plan = "left alone"
       rows.append((str(s.index), s.source, getattr(s, "module", ""), s.direction[:3],

@@ -18,7 +18,8 @@ the compiler's own program.
     fast_step = meshslice.transform(step, plan=plan)        # on the real pod
 
 Candidates ({name: transform options}, `CANDIDATES`): "xla" (always added), "default"
-(the default plan), "collective", "ksplit=2", "ksplit=4". The plan is a deterministic
+(the default plan), "collective", "collective+all_to_all" (its reduce-scatters as an
+all-to-all and a local sum), "ksplit=2", "ksplit=4". The plan is a deterministic
 function of the program, the mesh, the candidates and the libtpu in use: nothing runs on
 a device, nothing is timed.
 """
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 CANDIDATES = {
     "default": {},
     "collective": {"algorithm": "collective"},
+    # reduce-scatters as all-to-all + sum: async on v4 with --xla_tpu_enable_async_all_to_all
+    "collective+all_to_all": {"algorithm": "collective", "reduce_scatter": "all_to_all"},
     "ksplit=2": {"algorithm": "meshslice", "ksplit": 2},
     "ksplit=4": {"algorithm": "meshslice", "ksplit": 4},
 }
@@ -65,7 +68,8 @@ def _frozen(report):
 def _decisions(plan) -> tuple:
   """What a frozen plan compiles: per site, left alone or (algorithm, dataflow, ksplit)."""
   return tuple((e["index"], None if e.get("rewrite") is False
-                else (e.get("algorithm"), e.get("dataflow"), e.get("ksplit")))
+                else (e.get("algorithm"), e.get("dataflow"), e.get("ksplit"),
+                      e.get("reduce_scatter")))
                for e in plan.sites)
 
 

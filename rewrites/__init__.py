@@ -74,10 +74,13 @@ def _oned_rule(ring: bool):
 # Adding an algorithm: a row here, its time model (`@_algorithm`) in costmodel/timing.py,
 # and tests/test_rewrites_registry.py checks that the two agree on what is valid.
 _TABLE = {
+    # scatter: the form of an ls / rs site's reduce-scatter (scatter.SCATTER_FORMS)
     "meshslice": Algorithm(build_2d=build_meshslice, unsupported=_extent_only("meshslice"),
-                           build_1d=build_oned_sliced, unsupported_1d=_oned_rule(False)),
+                           options=("scatter",), build_1d=build_oned_sliced,
+                           unsupported_1d=_oned_rule(False)),
     "collective": Algorithm(build_2d=_collective_2d, unsupported=_extent_only("collective"),
-                            build_1d=_collective_1d, unsupported_1d=_oned_rule(False)),
+                            options=("scatter",), build_1d=_collective_1d,
+                            unsupported_1d=_oned_rule(False)),
     "cannon": Algorithm(build_2d=build_cannon, unsupported=cannon.unsupported,
                         needs_two_axes=True),
     # on a 1D site: a ppermute ring (not for all-reduce sites), which takes bidirectional

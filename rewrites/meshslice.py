@@ -19,10 +19,11 @@ from ._local import finish, local_dot
 from ._local import accumulation_dtype as accumulation_dtype
 from ._local import reduction_dtype as reduction_dtype
 from .geometry import GemmGeometry
+from .scatter import reduce_scatter
 from .slicing import assemble_slices, pipeline_barrier, take_slices
 
 
-def build_meshslice(geometry: GemmGeometry, ksplit: int):
+def build_meshslice(geometry: GemmGeometry, ksplit: int, *, scatter: str = "reduce_scatter"):
   """Shard_map body of the sliced MeshSlice GEMM for `geometry.dataflow`.
 
   With B = geometry.block_size(ksplit) and slice(x, s) the block-cyclic slice s:
@@ -39,6 +40,9 @@ def build_meshslice(geometry: GemmGeometry, ksplit: int):
 
   Requires: ksplit * lcm(R, C) divides the communicated global extent.
 
+  scatter: how ls / rs reduce-scatter each slice's partial product (`scatter.SCATTER_FORMS`:
+  one reduce-scatter, or an all-to-all and a local sum, which TPU v4 runs asynchronously).
+
   Example (by hand, inside your own shard_map):
     >>> body = build_meshslice(geometry, ksplit=4)      # doctest: +SKIP
     >>> y = jax.shard_map(body, mesh=mesh, in_specs=(P("x", "y"), P("x", "y")),
@@ -49,21 +53,21 @@ def build_meshslice(geometry: GemmGeometry, ksplit: int):
     return lambda lhs, rhs: _output_stationary(geometry, ksplit, block, lhs, rhs)
   if geometry.dataflow == "ls":
     return lambda lhs, rhs: _operand_stationary(geometry, ksplit, block, lhs, rhs,
-                                                moving_is_lhs=False)
+                                                moving_is_lhs=False, scatter=scatter)
   return lambda lhs, rhs: _operand_stationary(geometry, ksplit, block, lhs, rhs,
-                                              moving_is_lhs=True)
+                                              moving_is_lhs=True, scatter=scatter)
 
 
-def build_collective(geometry: GemmGeometry):
+def build_collective(geometry: GemmGeometry, *, scatter: str = "reduce_scatter"):
   """Shard_map body of the plain collective GEMM (GSPMD's algorithm, no slicing).
 
     os:  Y = all_gather(X, col, K) . all_gather(W, row, K)
     ls:  Y = reduce_scatter(X . all_gather(W, row, N), col, N)
     rs:  Y = reduce_scatter(all_gather(X, col, M) . W, row, M)
 
-  It is `build_meshslice(geometry, 1)`: one slice, nothing to pipeline.
+  It is `build_meshslice(geometry, 1, scatter=scatter)`: one slice, nothing to pipeline.
   """
-  return build_meshslice(geometry, 1)
+  return build_meshslice(geometry, 1, scatter=scatter)
 
 
 def _gather(x, axis, dim):
@@ -99,7 +103,8 @@ def _output_stationary(g: GemmGeometry, ksplit, block, lhs, rhs):
   return finish(g, acc, lhs, rhs)
 
 
-def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_lhs):
+def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_lhs,
+                        scatter="reduce_scatter"):
   """ls (rhs moves over row, partials scatter over col) and rs (lhs moves over col,
   partials scatter over row) are the same loop with the roles swapped."""
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
@@ -112,9 +117,10 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   def multiply(m_slice):
     return local_dot(g, *roles.operands(m_slice, lhs, rhs), acc_dtype).astype(wire_dtype)
 
+  form = scatter
+
   def scatter(partial):
-    return lax.psum_scatter(partial, roles.scatter_axis, scatter_dimension=g.out_dim,
-                            tiled=True)
+    return reduce_scatter(partial, roles.scatter_axis, g.out_dim, form)
 
   m = take_slices(roles.moving(lhs, rhs), roles.dim, ksplit, block)  # all at once, as in OS
   m_cur = gather(m, 0)

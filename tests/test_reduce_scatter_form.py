@@ -1,0 +1,132 @@
+"""reduce_scatter="all_to_all": an ls / rs site's reduce-scatter as an all-to-all and a
+local sum (the form TPU v4 runs asynchronously). Same values and gradients as plain jit
+and an unsharded run; the rewritten program has all-to-alls where it had reduce-scatters;
+the choice is a global option, a per-site pin, a plan field and a tune candidate."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+from meshslice import demo
+from meshslice.rewrites import scatter
+
+from helpers import assert_trees_close, mesh
+
+tune = importlib.import_module("meshslice.tune")     # the function meshslice.tune shadows it
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("axis", ["x", "y"])
+def test_all_to_all_form_equals_psum_scatter(axis, dim):
+  m = mesh((2, 4))
+  x = np.random.RandomState(0).standard_normal((8, 16, 24)).astype(np.float32)
+
+  def per_device(form):
+    def body(a):
+      a = a * (lax.axis_index(("x", "y")) + 1.0)    # each device holds other partials
+      return scatter.reduce_scatter(a, axis, dim, form)[None]
+    # every device's own piece, stacked on a leading device dim
+    return jax.jit(jax.shard_map(body, mesh=m, in_specs=P(), out_specs=P(("x", "y")),
+                                 check_vma=False))(x)
+
+  want = per_device("reduce_scatter")
+  got = per_device("all_to_all")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+  with pytest.raises(ValueError, match="reduce-scatter form must be one of"):
+    scatter.reduce_scatter(x, axis, dim, "ring")
+
+
+def _demo():
+  cfg = demo.ModelConfig()
+  m = demo.make_mesh((2, 4))
+  return cfg, m, demo.make_step(cfg, m, donate=False), demo.place(cfg, m)
+
+
+@pytest.mark.parametrize("options", [{"algorithm": "collective"},
+                                     {"algorithm": "meshslice", "ksplit": 2}])
+def test_all_to_all_sites_match_plain_jit_and_the_unsharded_run(options):
+  cfg, m, step, (params, batch) = _demo()
+  fast = meshslice.transform(step, reduce_scatter="all_to_all", **options)
+  report = fast.explain(params, batch)
+  forms = {(s.dataflow, s.reduce_scatter) for s in report.rewritten}
+  assert ("rs", "all_to_all") in forms and ("ls", "all_to_all") in forms
+  assert all(form is None for flow, form in forms if flow == "os")
+  assert "rs=all_to_all" in str(report)
+  jaxpr = str(jax.make_jaxpr(fast)(params, batch))
+  assert "all_to_all" in jaxpr and "reduce_scatter" not in jaxpr
+  default = str(jax.make_jaxpr(meshslice.transform(step, **options))(params, batch))
+  assert "reduce_scatter" in default and "all_to_all" not in default
+  new, old = fast(params, batch), step(params, batch)
+  assert_trees_close(new, old)
+  with jax.default_device(jax.devices()[0]):     # one device: no sharding at all
+    single = jax.jit(lambda p, b: demo.train_step(cfg, p, b))(
+        *jax.device_get((params, batch)))
+  assert_trees_close(new, single)
+
+
+def test_check_passes_with_the_all_to_all_form():
+  _, _, step, (params, batch) = _demo()
+  result = meshslice.check(step, algorithm="collective", reduce_scatter="all_to_all")(
+      params, batch)
+  assert result.ok, str(result)
+
+
+def test_pin_plan_and_errors():
+  _, m, step, (params, batch) = _demo()
+  report = meshslice.explain(step, algorithm="collective")(params, batch)
+  rs = next(s for s in report.rewritten if s.dataflow == "rs")
+  os_ = next(s for s in report.rewritten if s.dataflow == "os")
+  pinned = meshslice.explain(step, algorithm="collective", overrides={
+      rs.index: {"reduce_scatter": "all_to_all"},
+      os_.index: {"reduce_scatter": "all_to_all"}})(params, batch)
+  by_index = {s.index: s for s in pinned.sites}
+  assert [s.index for s in pinned.sites if s.reduce_scatter] == [rs.index]
+  assert (f"overrides[{os_.index}]: reduce_scatter='all_to_all' not used: only the ls / rs "
+          "sites of meshslice and collective take it (this is collective os)"
+          in by_index[os_.index].note)
+  # a saved plan carries the form, and only where it is set
+  plan = pinned.plan
+  text = plan.to_json()
+  assert text.count('"reduce_scatter": "all_to_all"') == 1
+  assert '"reduce_scatter"' not in report.plan.to_json()
+  again = meshslice.explain(step, plan=meshslice.Plan.from_json(text))(params, batch)
+  assert [s.index for s in again.sites if s.reduce_scatter] == [rs.index]
+  edited = report.plan.edit(rs.index, reduce_scatter="all_to_all")
+  assert meshslice.explain(step, plan=edited)(params, batch).sites[rs.index].reduce_scatter \
+      == "all_to_all"
+  with pytest.raises(ValueError, match=r"^reduce_scatter must be one of 'reduce_scatter', "
+                     r"'all_to_all' \(or None for 'reduce_scatter'\), got 'all-to-all'; did "
+                     r"you mean 'all_to_all'\?$"):
+    meshslice.transform(step, reduce_scatter="all-to-all")
+  with pytest.raises(ValueError, match=r"^overrides\[3\]: reduce_scatter must be one of"):
+    meshslice.transform(step, overrides={3: {"reduce_scatter": "ring"}})
+
+
+def test_tune_keeps_the_form_apart():
+  assert tune.CANDIDATES["collective+all_to_all"] == {"algorithm": "collective",
+                                                       "reduce_scatter": "all_to_all"}
+  _, _, step, (params, batch) = _demo()
+  plain = tune._frozen(meshslice.explain(step, algorithm="collective")(params, batch))
+  a2a = tune._frozen(meshslice.explain(step, algorithm="collective",
+                                       reduce_scatter="all_to_all")(params, batch))
+  assert tune._decisions(plain) != tune._decisions(a2a)
+
+
+def test_bf16_all_to_all_site_matches_within_bf16_tolerance():
+  m = mesh((2, 4))
+  ls = NamedSharding(m, P("x", "y"))
+  x = jax.device_put(jnp.asarray(np.random.RandomState(1).standard_normal((64, 128)),
+                                 jnp.bfloat16), ls)
+  w = jax.device_put(jnp.asarray(np.random.RandomState(2).standard_normal((128, 64)),
+                                 jnp.bfloat16), NamedSharding(m, P("x", "y")))
+  step = jax.jit(lambda a, b: jax.lax.with_sharding_constraint(a @ b, ls))
+  fast = meshslice.transform(step, algorithm="collective", reduce_scatter="all_to_all")
+  assert_trees_close(fast(x, w), step(x, w), jnp.bfloat16)
+  want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+  assert_trees_close(fast(x, w), want, jnp.bfloat16)
