@@ -282,12 +282,19 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # model picks the dataflow per site (e.g. LS for a matmul whose input is wider than its
   # output), or the user pinned one the current layouts do not give.
   options = [site] if site.rewritten and pinned in (None, site.dataflow) else []
+  refused = None      # the first alternative that cannot honour a pin (its error)
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):
     if pinned not in (None, alt.dataflow) or (pinned is None and not ctx.options.relayout):
       continue
-    candidate = plan(alt, alt_lhs, alt_rhs)
+    try:
+      candidate = plan(alt, alt_lhs, alt_rhs)
+    except PinError as e:
+      # a pin (e.g. ksplit) another dataflow cannot take rules that dataflow out, not the
+      # site: the site's own dataflow, or another alternative, may take it
+      refused = refused or e
+      continue
     if not candidate.rewritten or not _honours(candidate, request, site):
       continue
     moved = [(name, a, b, aval) for name, a, b, aval in
@@ -308,6 +315,8 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   if not options:
     if not site.rewritten and pinned in (None, site.dataflow):
       return site     # no plan fits HBM, in any dataflow
+    if refused is not None:
+      raise refused
     raise PinError(
         f"{_pinned_by(request, 'dataflow')}dataflow={pinned!r} cannot serve site #{index} "
         f"({base['source']}): its operand "

@@ -231,6 +231,18 @@ def test_a_module_override_pins_exactly_one_projection(built):
   assert sum(s.ksplit == 2 for s in pinned.sites) == 3      # forward, backward, gradient
 
 
+def test_a_ksplit_pin_another_dataflow_cannot_take_is_taken_by_the_sites_own(built):
+  # the query projection's forward site is os; its ls alternative (after a reshard)
+  # cannot take ksplit=2, which must rule out that alternative, not the pin
+  step, state, data = built
+  pinned = meshslice.explain(step, overrides={"*/self_attention/query": {"ksplit": 2}})(
+      state, data)
+  query = [s for s in pinned.sites if s.module == "decoder/layers/self_attention/query"]
+  assert query and all(s.ksplit == 2 for s in query)
+  assert {s.module for s in pinned.sites if s.ksplit == 2} == {
+      "decoder/layers/self_attention/query"}
+
+
 def _unsharded(state, data):
   """The same step built on a one-device mesh, fed unsharded copies: the reference."""
   one_device = mesh((1, 1, 1), ("data", "fsdp", "tensor"))
