@@ -224,9 +224,9 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
       index=index, path=path,
       source=source_location(eqn, getattr(ctx.options, "source_packages", ())),
       # the name stack's modules (Linen, named scopes), else the parameter the matmul
-      # reads or updates (NNX, Equinox), else the chain of layer classes it ran in
-      module=(module_path(eqn, [scope for *_, scope in context], call_chain=False)
-              or param or module_path(eqn, [scope for *_, scope in context])),
+      # reads or updates (NNX, Equinox, penzai), else the chain of layer classes it ran in
+      module=_module(module_path(eqn, [scope for *_, scope in context], call_chain=False),
+                     param, lambda: module_path(eqn, [scope for *_, scope in context])),
       context=" > ".join(name for name, *_ in context) or "top",
       direction="backward" if "transpose" in stack or any(t for _, t, *_ in context)
       else "forward",
@@ -460,6 +460,15 @@ def _scatter_form(request, algorithm, dataflow):
   return None, (f"{_pinned_by(request, 'reduce_scatter')}reduce_scatter={asked!r} not used: "
                 f"only the ls / rs sites of meshslice and collective take it (this is "
                 f"{algorithm} {dataflow})")
+
+
+def _module(scoped: str, param: str, call_chain) -> str:
+  """The module column: the name stack's path, unless it is positions only (penzai's
+  `Sequential`s scope each sublayer by its index: '1/0/1/0' is block 0's attention)
+  and the matmul's parameter has a name; else the parameter; else the call chain."""
+  if scoped and not (param and all(part.isdigit() for part in scoped.split("/"))):
+    return scoped
+  return param or scoped or call_chain()
 
 
 def _pinned_by(request, name) -> str:

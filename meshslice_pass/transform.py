@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 import warnings
 from typing import Any, Callable
@@ -268,10 +269,26 @@ class _Clock:
     self._last = now
 
 
+def _labelled(node) -> bool:
+  """A variable that carries its own name: penzai's Parameter / ParameterValue /
+  StateVariable (`label="transformer/block_0/attention/query.weights"`, `value=...`)."""
+  fields = getattr(type(node), "__dataclass_fields__", {})
+  # fields, not attributes: an unbound penzai slot raises on `.value`
+  return "label" in fields and "value" in fields and isinstance(node.label, str)
+
+
 def _key_paths(tree) -> list:
-  """The key path of every leaf of `tree`, as `jax.tree_util.keystr` writes it."""
-  return [jax.tree_util.keystr(path)
-          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  """The key path of every leaf of `tree`, as `jax.tree_util.keystr` writes it; the
+  leaves of a labelled variable get its label as the path instead (penzai keeps its
+  parameters in a flat tuple, whose positions name nothing)."""
+  paths = []
+  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_labelled)[0]:
+    if _labelled(node):
+      name = "".join(f"['{part}']" for part in re.split(r"[/.]", node.label) if part)
+      paths += [name] * len(jax.tree_util.tree_leaves(node))
+    else:
+      paths.append(jax.tree_util.keystr(path))
+  return paths
 
 
 def _hashable(value):

@@ -46,4 +46,4 @@ WIDE = dataclasses.replace(HBM, gemm=GemmEfficiency(max_efficiency=0.8, m_sat=64
 @pytest.mark.parametrize("module", [profiles, timing, autotune, timeline, topology, memory],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
-  assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+  assert doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE).failed == 0

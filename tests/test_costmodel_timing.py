@@ -212,7 +212,7 @@ def test_invalid_combinations_are_errors_with_reasons():
   assert why_invalid(OS, "collective", "os", 2) == (
       "collective does not slice; ksplit must be 1, got 2")
   assert why_invalid(OS, "meshslice", "os", 1, ring="row") == (
-      "meshslice takes no options; got option 'ring'")
+      "meshslice takes only scatter; got option 'ring'")
   assert why_invalid(OS, "wang", "os", 1, ring="diag") == (
       "wang: ring must be 'row', 'col' or None, got 'diag'")
   # ring over row (R = 2): block k / R = 2000, 2 * 3 = 6 does not divide it

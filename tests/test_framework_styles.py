@@ -494,6 +494,14 @@ def test_real_penzai_llamalike_stateful_trainer():
   assert not [s for s in report.sites if s.reason.startswith("operand sharding unknown")]
   plans = collections.Counter(_plan_of(s) for s in report.sites if s.rewritten)
   assert plans[("os", ("x", None))] and plans[("ls", ("x", "y"))]
+  # named by penzai's parameter labels, not its Sequentials' index scopes: a module
+  # pattern pins one projection (forward, backward-data, weight gradient)
+  modules = {s.module for s in report.sites}
+  assert {"transformer/block_0/attention/query", "transformer/block_0/mlp/out_linear",
+          "transformer/lm_head"} <= modules
+  pinned = meshslice.explain(step, overrides={"*/attention/query": {"ksplit": 2}})(**kwargs)
+  assert {s.module for s in pinned.sites if s.ksplit == 2} == {
+      "transformer/block_0/attention/query"}
   meshslice.check(step, ksplit=2)(**kwargs).assert_ok()
   trainer = dataclasses.replace(trainer, step_fn=meshslice.transform(step))
   trainer.step(tokens=kwargs["kwargs"]["tokens"])

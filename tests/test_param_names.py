@@ -2,6 +2,8 @@
 holds no module names (plain-JAX params dicts, NNX, scan over stacked layers), the module
 column is the parameter's path in the step's own pytrees, so an override can pin exactly
 one projection; the pinned program still computes plain jit's values."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,3 +67,43 @@ def test_scanned_layers_are_named_by_their_stacked_parameters():
                     np.asarray(params["layers"]["mlp"]["wo"], np.float64)):
     h = np.tanh(h @ wi) @ wo
   np.testing.assert_allclose(value, np.mean(h ** 2), rtol=1e-4)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Labelled:
+  """A variable that names itself, as penzai's ParameterValue does."""
+  value: jax.Array
+  label: str = dataclasses.field(metadata=dict(static=True))
+
+
+def test_labelled_variables_name_their_matmuls_over_index_only_scopes():
+  # penzai keeps parameters in a flat tuple (positions name nothing) and scopes each
+  # Sequential sublayer by its index: the label must name the site
+  m = mesh((2, 4))
+  x = jax.device_put(jnp.ones((16, 32)), NamedSharding(m, P("x", "y")))
+  params = (_Labelled(jax.device_put(jnp.ones((32, 64)), NamedSharding(m, P("x", "y"))),
+                      "transformer/block_0/mlp/gating_linear.weights"),
+            _Labelled(jax.device_put(jnp.ones((64, 32)), NamedSharding(m, P("x", "y"))),
+                      "transformer/block_0/mlp/out_linear.weights"))
+
+  @jax.jit
+  def step(params, x):
+    def loss(params):
+      with jax.named_scope("1"), jax.named_scope("0"):
+        h = jnp.tanh(x @ params[0].value)
+      with jax.named_scope("1"), jax.named_scope("1"):
+        return jnp.sum(h @ params[1].value)
+    return jax.grad(loss)(params)
+
+  report = meshslice.explain(step)(params, x)
+  modules = {s.module for s in report.sites}
+  assert modules == {"transformer/block_0/mlp/gating_linear",
+                     "transformer/block_0/mlp/out_linear"}, modules
+  # a name stack with names keeps priority over the parameter
+  @jax.jit
+  def named(params, x):
+    with jax.named_scope("mlp"):
+      return x @ params[0].value
+
+  assert {s.module for s in meshslice.explain(named)(params, x).sites} == {"mlp"}
