@@ -46,4 +46,5 @@ WIDE = dataclasses.replace(HBM, gemm=GemmEfficiency(max_efficiency=0.8, m_sat=64
 @pytest.mark.parametrize("module", [profiles, timing, autotune, timeline, topology, memory],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
-  assert doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE).failed == 0
+  flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+  assert doctest.testmod(module, optionflags=flags).failed == 0
