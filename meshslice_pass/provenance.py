@@ -52,6 +52,8 @@ def user_frame(traceback, source_packages=()):
     if not is_library_file(c.co_filename, source_packages):
       return frame_of(c, i)
   k = enclosing_layer_call(code)
+  if k is None:
+    k = enclosing_call_method(code)
   if k is not None:
     return frame_of(code[k], lasti[k])
   return jax_user_frame(traceback)
@@ -79,6 +81,27 @@ def enclosing_layer_call(code) -> int | None:
           return j
         break
       between.add(owner)
+  return None
+
+
+def enclosing_call_method(code) -> int | None:
+  """As `enclosing_layer_call` for frameworks whose layers implement `call` and are
+  invoked through their base classes' `__call__` (Keras): index of the frame of the
+  enclosing layer's `call` whose line calls the layer holding the matmul (keras-hub's
+  `CachedGemmaAttention.call`, `query = self.query_dense(x)`), skipping the dispatch
+  between them (`Layer.__call__`, `Operation.__call__` and their traceback wrappers,
+  which are the same for every layer). None when the matmul is in no `call` method, or
+  the next one out is the same class's."""
+  for k, c in enumerate(code):
+    owner, method = _method(c)
+    if method != "call" or owner is None:
+      continue
+    for j in range(k + 1, len(code)):
+      outer, name = _method(code[j])
+      if outer is None or name == "__call__":
+        continue        # dispatch: closures (traceback filters) and base __call__s
+      return j if name == "call" and outer != owner else None
+    return None
   return None
 
 

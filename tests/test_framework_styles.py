@@ -482,6 +482,11 @@ def test_real_keras_hub_gemma_model_parallel():
              if s.direction.startswith("for") and s.rewritten and "decoder_block" in s.module}
   assert forward["query"] == forward["ffw_gating"] == ("os", ("batch", None))
   assert forward["attention_output"] == forward["ffw_linear"] == ("ls", ("batch", "model"))
+  # the source is the keras-hub line calling each projection, not Keras's einsum wrapper
+  source = {s.module.rsplit("/", 2)[-2]: s.source for s in report.sites
+            if s.direction.startswith("for") and "decoder_block" in s.module}
+  assert source["query"].startswith("keras_hub/src/models/gemma/gemma_attention.py:")
+  assert len({source[k] for k in ("query", "key", "value", "attention_output")}) == 4
   meshslice.check(step, ksplit=2)(state, data).assert_ok()
 
 
@@ -506,3 +511,51 @@ def test_real_penzai_llamalike_stateful_trainer():
   trainer = dataclasses.replace(trainer, step_fn=meshslice.transform(step))
   trainer.step(tokens=kwargs["kwargs"]["tokens"])
   assert int(trainer.state.value.step) == 1
+
+
+_KERAS_LIKE = '''
+class EinsumDense:
+  def call(self, x):
+    return einsum(x)
+
+class Layer:
+  def __call__(self, x):
+    return self.call(x)
+
+def error_handler(*args):
+  return fn(*args)
+
+class Attention:
+  def call(self, x):
+    query = self.query_dense(x)
+    return self.helper(query)
+
+  def helper(self, q):
+    return self.key_dense(q)
+'''
+
+
+def test_the_source_falls_back_to_the_enclosing_keras_layers_call_line():
+  from meshslice import provenance
+  code = {}
+
+  def collect(c):
+    code[c.co_qualname] = c
+    for const in c.co_consts:
+      if hasattr(const, "co_qualname"):
+        collect(const)
+
+  collect(compile(_KERAS_LIKE, "/venv/lib/python3.12/site-packages/fakekeras/layers.py",
+                  "exec"))
+  dispatch = [code["error_handler"], code["Layer.__call__"], code["error_handler"]]
+  # innermost first: EinsumDense.call <- dispatch <- Attention.call (`query = ...`)
+  chain = [code["EinsumDense.call"], *dispatch, code["Attention.call"]]
+  assert provenance.enclosing_call_method(chain) == len(chain) - 1
+  # MaxText's `__call__` rule finds nothing there (its dispatch is a __call__ too)
+  assert provenance.enclosing_layer_call(chain) is None
+  # a helper method between them is not dispatch: no line (JAX's guess stays)
+  assert provenance.enclosing_call_method(
+      [code["EinsumDense.call"], *dispatch, code["Attention.helper"],
+       code["Attention.call"]]) is None
+  # no `call` method at all
+  assert provenance.enclosing_call_method([code["error_handler"]]) is None
