@@ -28,14 +28,12 @@ import time
 
 from meshslice import aot
 
-ASYNC_ALL_TO_ALL = "--xla_tpu_enable_async_all_to_all=true"
-
 
 def main(argv) -> int:
   topology = argv[1] if len(argv) > 1 else "v4:2x2x2"
   shape = tuple(int(n) for n in (argv[2] if len(argv) > 2 else "2x4").split("x"))
   batch = int(argv[3]) if len(argv) > 3 else 8
-  flags = (*aot.preset_flags("dense,async", "v4"), ASYNC_ALL_TO_ALL)
+  flags = aot.preset_flags("dense,async,all_to_all", "v4")
   aot.set_flags(*flags)                    # before libtpu loads
 
   import jax

@@ -45,12 +45,13 @@ import time
 # docs/tpu.md); the old names stay here. ASYNC_FLAGS: MaxText's CF_FOR_ALL_GATHER group
 # (all-gather continuation fusion: safe on v5e only).
 from .backend_flags import CONTINUATION_FUSION_FLAGS as ASYNC_FLAGS  # noqa: E402
-from .backend_flags import (DENSE_FLAGS, SAFE_ASYNC_FLAGS,  # noqa: E402,F401
-                            tpu_overlap_flags, unsafe_flags)
+from .backend_flags import (ASYNC_ALL_TO_ALL_FLAGS, DENSE_FLAGS,  # noqa: E402,F401
+                            SAFE_ASYNC_FLAGS, tpu_overlap_flags, unsafe_flags)
 # Generation-independent presets (legacy: "async" is the continuation-fusion group). For
 # a topology use `preset_flags`, where "async" is the generation's own set.
 FLAG_PRESETS = {"default": (), "async": ASYNC_FLAGS, "fusion": ASYNC_FLAGS,
-                "safe_async": SAFE_ASYNC_FLAGS, "dense": DENSE_FLAGS}
+                "safe_async": SAFE_ASYNC_FLAGS, "dense": DENSE_FLAGS,
+                "all_to_all": ASYNC_ALL_TO_ALL_FLAGS}
 
 
 def preset_flags(presets, generation: str | None) -> tuple:
@@ -58,7 +59,7 @@ def preset_flags(presets, generation: str | None) -> tuple:
   generation: "default" (none), "async" (the generation's async collective flags,
   `backend_flags.tpu_overlap_flags`: no all-gather continuation fusion on v4 / v5p /
   v6e), "fusion" (the continuation-fusion group, `ASYNC_FLAGS`), "safe_async", "dense"
-  (windowed einsum off).
+  (windowed einsum off), "all_to_all" (async all-to-all, for `reduce_scatter="all_to_all"`).
 
   Example:
     >>> preset_flags("dense,async", "v4")[-1]

@@ -54,6 +54,11 @@ SAFE_ASYNC_FLAGS = (
 # XLA's windowed einsum (collective matmul) off: the "dense" program.
 DENSE_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
                "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+# Asynchronous all-to-all (start / done pairs beside independent compute), accepted by
+# libtpu 0.0.42.1 and 0.0.50.1 on v4, v5p and v6e: what `reduce_scatter="all_to_all"`
+# needs to overlap (docs/tpu.md, "Reduce-scatters as all-to-alls"). XLA's own programs
+# do not change with it.
+ASYNC_ALL_TO_ALL_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 # The flag libtpu 0.0.50.1 refuses outside v5e.
 _UNSAFE_OFF_V5E = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
 
