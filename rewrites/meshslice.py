@@ -117,10 +117,8 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   def multiply(m_slice):
     return local_dot(g, *roles.operands(m_slice, lhs, rhs), acc_dtype).astype(wire_dtype)
 
-  form = scatter
-
-  def scatter(partial):
-    return reduce_scatter(partial, roles.scatter_axis, g.out_dim, form)
+  def scatter_slice(partial):
+    return reduce_scatter(partial, roles.scatter_axis, g.out_dim, scatter)
 
   m = take_slices(roles.moving(lhs, rhs), roles.dim, ksplit, block)  # all at once, as in OS
   m_cur = gather(m, 0)
@@ -130,7 +128,7 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
     if not last:
       m_next = gather(m, s + 1)
     if pending is not None:
-      pieces.append(scatter(pending))      # reduce-scatter of slice s-1 beside matmul s
+      pieces.append(scatter_slice(pending))   # reduce-scatter of slice s-1 beside matmul s
     part = multiply(m_cur)
     if not last:
       if pieces:
@@ -143,6 +141,6 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
       # the two trailing reduce-scatters into one collective (seen on TPU with S = 2)
       part, pieces[-1] = pipeline_barrier((part, pieces[-1]))
     pending = part
-  pieces.append(scatter(pending))
+  pieces.append(scatter_slice(pending))
   out = assemble_slices(pieces, g.out_dim, block)
   return finish(g, out, lhs, rhs)
