@@ -130,6 +130,11 @@ def eqn_name_stack(eqn):
   return eqn.source_info.name_stack
 
 
+def eqn_traceback(eqn):
+  """The Python traceback `eqn` was traced with (None when JAX kept none)."""
+  return eqn.source_info.traceback
+
+
 def is_literal(v) -> bool:
   """Whether `v`, an operand of an equation, is a literal (its value is `v.val`) rather
   than a variable."""

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import re
 
-from .analysis import sub_jaxprs
-from ._jax_internals import Literal, scan_counts
+from ._jax_internals import Literal, scan_counts, sub_jaxprs, while_counts
 
 # A parameter passes through these unchanged in meaning: re-typed, re-laid, sliced.
 _PASS_THROUGH = frozenset({
@@ -179,9 +178,9 @@ def _body_operands(eqn, param, ins, n):
   if prim == "cond":
     return ins[1:]
   if prim == "while":
-    cond_consts = eqn.params["cond_nconsts"]
+    cond_consts, body_consts = while_counts(eqn.params)
     if param == "cond_jaxpr":
-      return ins[:cond_consts] + ins[cond_consts + eqn.params["body_nconsts"]:]
+      return ins[:cond_consts] + ins[cond_consts + body_consts:]
     return ins[cond_consts:]
   if prim == "scan":
     consts, carry = scan_counts(eqn.params)

@@ -25,7 +25,8 @@ import os
 import sys
 import sysconfig
 
-from ._jax_internals import frame_of, jax_user_frame, raw_frames, scope_names
+from ._jax_internals import (eqn_name_stack, eqn_traceback, frame_of, jax_user_frame,
+                             raw_frames, scope_names)
 
 def source_location(eqn, source_packages=()) -> str:
   """'file:line' of the innermost frame of the user's code that produced `eqn`, with the
@@ -34,7 +35,7 @@ def source_location(eqn, source_packages=()) -> str:
   Library frames (`is_library_file`) are skipped; when only such frames exist, JAX's own
   guess is used. `source_packages` names installed packages that are the user's code.
   """
-  frame = user_frame(eqn.source_info.traceback, tuple(source_packages))
+  frame = user_frame(eqn_traceback(eqn), tuple(source_packages))
   if frame is None:
     return ""
   return f"{portable_path(frame.file_name)}:{frame.start_line}"
@@ -220,7 +221,7 @@ def _portable(filename: str, cwd: str, path: tuple) -> str:
 
 
 def name_stack(eqn) -> str:
-  return str(eqn.source_info.name_stack)
+  return str(eqn_name_stack(eqn))
 
 
 # Scopes JAX itself pushes while tracing (not the user's modules).
@@ -248,10 +249,10 @@ def module_path(eqn, enclosing=(), call_chain=True) -> str:
       # the transpose of a remat repeats its enclosing stack: 'transpose(jvp(M))/jvp(M)'
       names = names[:half]
     scopes += names
-  scopes += _scope_names(eqn.source_info.name_stack)
+  scopes += _scope_names(eqn_name_stack(eqn))
   if scopes:
     return "/".join(scopes)
-  return _call_chain(eqn.source_info.traceback) if call_chain else ""
+  return _call_chain(eqn_traceback(eqn)) if call_chain else ""
 
 
 def _scope_names(stack) -> list:
