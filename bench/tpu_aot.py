@@ -67,7 +67,13 @@ _MESHSLICE_FLAGS = flags.DEFINE_string(
     "meshslice_flags", "async", "libtpu flag presets of the meshslice variant and of the "
     "*_async XLA variants (meshslice.aot.preset_flags): async (the generation's), fusion "
     "(MaxText's continuation-fusion group), safe_async")
-_MESH = flags.DEFINE_list("mesh", [], "mesh overrides as CHIPS:RxC, e.g. 256:32x8")
+_MESH = flags.DEFINE_list("mesh", [], "mesh overrides as CHIPS:RxC, e.g. 256:32x8; several "
+                          "for one chip count compile each (every side's best mesh is then "
+                          "the headline's)")
+_MESHSLICE_OPTIONS = flags.DEFINE_string(
+    "meshslice_options", "{}", "JSON of meshslice.transform options for the meshslice "
+    "variants, e.g. '{\"reduce_scatter\": \"all_to_all\"}' (with --meshslice_flags="
+    "async,all_to_all, which every async variant, XLA's included, then gets)")
 _LAYERS = flags.DEFINE_integer("layers", 1, "layers in the step")
 _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "seconds per compile (each variant)")
 _OUT = flags.DEFINE_string("out", None, "append one JSON line per (model, chips, variant)")
@@ -98,11 +104,12 @@ def _worker(spec: dict) -> dict:
   fn = step
   if use_pass:
     import meshslice
-    fn = meshslice.transform(step, profile=gen.profile)
+    fn = meshslice.transform(step, **{"profile": gen.profile, **spec.get("options", {})})
     with jax.set_mesh(mesh):
       report = fn.explain(params, data)
     record["rewritten_sites"] = len(report.rewritten)
     record["plans"] = sorted({f"{s.algorithm} {s.dataflow} S={s.ksplit}"
+                              + (f" rs={s.reduce_scatter}" if s.reduce_scatter else "")
                               for s in report.rewritten})
   compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
   if spec.get("save_hlo"):
@@ -135,21 +142,22 @@ def _run_variant(spec: dict) -> dict:
   return json.loads(lines[-1][len("RESULT "):])
 
 
-def _mesh_for(model: str, chips: int, profile: str):
-  for item in _MESH.value:
-    count, shape = item.split(":")
-    if int(count) == chips:
-      return tuple(int(v) for v in shape.split("x"))
+def _meshes_for(model: str, chips: int, profile: str) -> list:
+  """The --mesh overrides for `chips`, else the one mesh autotune recommends."""
+  asked = [tuple(int(v) for v in shape.split("x"))
+           for count, shape in (item.split(":") for item in _MESH.value) if int(count) == chips]
+  if asked:
+    return asked
   from meshslice.costmodel.autotune import recommend_mesh
   # the memory check counts the layers this bench compiles, not the whole model's (which
   # need not fit, e.g. all of GPT-3 on 64 chips)
-  return recommend_mesh(chips, model=model, profile=profile,
-                        memory_layers=_LAYERS.value).best_shape
+  return [recommend_mesh(chips, model=model, profile=profile,
+                         memory_layers=_LAYERS.value).best_shape]
 
 
 COLUMNS = ("model", "chips", "topology", "mesh", "variant", "compute Mcyc", "dot Mcyc",
-           "copies", "coll GB", "WE loops", "step ms", "exposed ms", "peak GiB", "compile s",
-           "vs best XLA")
+           "copies", "coll GB", "WE loops", "step ms", "exposed ms", "peak GiB",
+           "libtpu peak GiB", "compile s", "vs best XLA")
 
 
 def _cells(r: dict) -> list[str]:
@@ -162,7 +170,7 @@ def _cells(r: dict) -> list[str]:
                  str(r["relayout_copies"]), f"{r['collective_bytes'] / 1e9:.2f}",
                  str(r["windowed_einsum_loops"]), f"{r['step_s'] * 1e3:.2f}",
                  f"{r['exposed_s'] * 1e3:.2f}", f"{r['peak_bytes'] / 2**30:.2f}",
-                 f"{r['compile_s']:.0f}",
+                 f"{(r.get('libtpu_peak_bytes') or 0) / 2**30:.2f}", f"{r['compile_s']:.0f}",
                  f"{best[2]:.3f}x ({best[0]})" if best else ""]
 
 
@@ -182,6 +190,32 @@ def headline(records) -> list:
   return records
 
 
+def best_meshes(records) -> list:
+  """Per (model, generation, chips): each side at its own best mesh: the fastest XLA
+  variant over every mesh compiled against each meshslice variant's fastest mesh, as
+  lines for the table's foot."""
+  from meshslice import aot
+  groups = {}
+  for r in records:
+    if isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0:
+      groups.setdefault((r["model"], r.get("generation"), r["chips"]), []).append(r)
+  lines = []
+  for (model, gen, chips), rows in groups.items():
+    xla = [r for r in rows if r["variant"] in aot.XLA_VARIANTS]
+    if not xla:
+      continue
+    rival = min(xla, key=lambda r: r["step_s"])
+    for variant in sorted({r["variant"] for r in rows if r["variant"] not in aot.XLA_VARIANTS}):
+      ours = min((r for r in rows if r["variant"] == variant), key=lambda r: r["step_s"])
+      lines.append(
+          f"- {model} {gen} {chips} chips, each at its best of "
+          f"{len({tuple(r['mesh']) for r in rows})} mesh(es): {variant} "
+          f"{'x'.join(map(str, ours['mesh']))} {ours['step_s'] * 1e3:.2f} ms against "
+          f"{rival['variant']} {'x'.join(map(str, rival['mesh']))} "
+          f"{rival['step_s'] * 1e3:.2f} ms: {rival['step_s'] / ours['step_s']:.3f}x")
+  return lines
+
+
 def flag_lines(records) -> list:
   """One line per (generation, variant, libtpu): the flags it was compiled with."""
   seen = {}
@@ -196,6 +230,7 @@ def markdown(records) -> str:
   records = headline(list(records))
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   lines += ["| " + " | ".join(_cells(r)) + " |" for r in records]
+  lines += ["", *best_meshes(records)]
   lines += ["", "libtpu flags (LIBTPU_INIT_ARGS) per variant:", *flag_lines(records)]
   return "\n".join(lines)
 
@@ -215,6 +250,13 @@ def main(argv):
     aot.preset_flags(_MESHSLICE_FLAGS.value, None)
   except ValueError as e:
     raise app.UsageError(f"--meshslice_flags: {e}")
+  try:
+    options = json.loads(_MESHSLICE_OPTIONS.value)
+    if not isinstance(options, dict):
+      raise ValueError("not a JSON object")
+  except ValueError as e:
+    raise app.UsageError(f"--meshslice_options: {e} (want a JSON object of "
+                         f"meshslice.transform options)")
   records = []
   for generation in _GENERATIONS.value:
     for model in _MODELS.value:
@@ -225,11 +267,11 @@ def main(argv):
           print(f"skip {generation} {model} {chips}: {e}", flush=True)
           continue
         profile = aot.GENERATIONS[generation].profile
-        mesh = _mesh_for(model, chips, profile)
-        for variant in _VARIANTS.value:
+        for mesh, variant in ((m, v) for m in _meshes_for(model, chips, profile)
+                              for v in _VARIANTS.value):
           spec = {"model": model, "topology": topology, "mesh": list(mesh),
                   "variant": variant, "layers": _LAYERS.value, "save_hlo": _SAVE_HLO.value,
-                  "async": _MESHSLICE_FLAGS.value}
+                  "async": _MESHSLICE_FLAGS.value, "options": options}
           record = dict(spec, chips=chips, generation=generation, **_run_variant(spec))
           records.append(record)
           print(" | ".join(_cells(record)), flush=True)

@@ -125,6 +125,21 @@ def windowed_einsum_off(flags) -> frozenset:
   return frozenset(off)
 
 
+def async_all_to_all(flags) -> bool:
+  """Whether `flags` (a LIBTPU_INIT_ARGS string or a sequence) turn libtpu's async
+  all-to-all on (the last `--xla_tpu_enable_async_all_to_all` given wins).
+
+  Example:
+    >>> async_all_to_all(" ".join(ASYNC_ALL_TO_ALL_FLAGS)), async_all_to_all("")
+    (True, False)
+  """
+  given = flags.split() if isinstance(flags, str) else list(flags)
+  key = ASYNC_ALL_TO_ALL_FLAGS[0].split("=", 1)[0]
+  values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in given
+            if f.split("=", 1)[0] == key]
+  return bool(values) and values[-1] in ("true", "1")
+
+
 def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tuple:
   """The overlap flags `platform` ("tpu", "gpu", "cuda", "rocm") lacks in `environ`;
   for TPU those of `generation` (`tpu_overlap_flags`)."""

@@ -66,12 +66,16 @@ class Options:
       `source` column, which otherwise skips every installed package (frameworks) as it
       skips JAX's internals.
     reduce_scatter: how ls / rs sites of the meshslice and collective algorithms
-      reduce-scatter their partial products: "reduce_scatter" (None, the default: one
-      reduce-scatter collective per slice) or "all_to_all" (an all-to-all and a local
-      sum). On TPU v4 libtpu keeps reduce-scatters synchronous but runs all-to-alls
-      asynchronously under `--xla_tpu_enable_async_all_to_all=true`, so the second form
-      can hide a weight gradient's reduce-scatter under the rest of the backward pass,
-      at the price of the sum (docs/tpu.md). Also a per-site pin key.
+      reduce-scatter their partial products: "reduce_scatter" (one reduce-scatter
+      collective per slice), "all_to_all" (an all-to-all and a local sum, where the
+      scattered dim leads the local partial: elsewhere it would need a relayout copy, and
+      the site keeps one reduce-scatter with a note; a per-site pin forces it anywhere),
+      or "auto" (None, the default): "all_to_all" when the mesh is TPU and this process's
+      LIBTPU_INIT_ARGS turn on `--xla_tpu_enable_async_all_to_all=true`, else
+      "reduce_scatter". On TPU v4 libtpu keeps reduce-scatters synchronous but runs those
+      all-to-alls asynchronously, so a weight gradient's reduce-scatter hides under the
+      rest of the backward pass; the sum fuses into its consumer (docs/tpu.md). Also a
+      per-site pin key.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None

@@ -53,12 +53,16 @@ def validate_count(name: str, value, *, automatic_allowed: bool = False,
     raise PinError(f"{name} must be a positive int (1 = no slicing){hint}, got {value!r}")
 
 
+# what the reduce_scatter option and pin take: a form, or "auto" (the planner's choice)
+SCATTER_CHOICES = SCATTER_FORMS + ("auto",)
+
+
 def validate_reduce_scatter(value, name: str = "reduce_scatter") -> None:
-  """How ls / rs sites reduce-scatter their partial products: one of SCATTER_FORMS, or
-  None for the default (one reduce-scatter collective)."""
-  if value is not None and value not in SCATTER_FORMS:
-    raise PinError(f"{name} must be one of {', '.join(map(repr, SCATTER_FORMS))} (or None "
-                   f"for 'reduce_scatter'), got {value!r}{_did_you_mean(value, SCATTER_FORMS)}")
+  """How ls / rs sites reduce-scatter their partial products: one of SCATTER_CHOICES, or
+  None for the default ("auto": the planner picks the form)."""
+  if value is not None and value not in SCATTER_CHOICES:
+    raise PinError(f"{name} must be one of {', '.join(map(repr, SCATTER_CHOICES))} (or None "
+                   f"for 'auto'), got {value!r}{_did_you_mean(value, SCATTER_CHOICES)}")
 
 
 def validate_pin(where: str, pin) -> None:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from meshslice import costmodel, rewrites
 from meshslice.rewrites import GemmGeometry
+from meshslice.rewrites.platform import target_platform
 from meshslice.rewrites.scatter import all_to_all_pays
 
 from . import analysis as A
@@ -443,7 +444,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
                                  block=None, predicted_seconds=None, reason=note)
   form, form_note = _scatter_form(request, algorithm, match.dataflow,
                                   _partial_shape(out.shape, match.out_spec, geometry.out_dim,
-                                                 ctx.axis_sizes), geometry.out_dim)
+                                                 ctx.axis_sizes), geometry.out_dim,
+                                  _automatic_scatter_form(ctx))
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              reduce_scatter=form, predicted_seconds=seconds,
@@ -457,25 +459,41 @@ def _partial_shape(out_shape, out_spec, out_dim, axis_sizes) -> tuple:
                for size, entry in zip(out_shape[:out_dim], out_spec[:out_dim]))
 
 
-def _scatter_form(request, algorithm, dataflow, partial_shape=(), out_dim=0):
+def _automatic_scatter_form(ctx) -> str | None:
+  """What reduce_scatter="auto" (the default) means for this mesh: "all_to_all" when it
+  compiles for TPU with libtpu's async all-to-all on (this process's LIBTPU_INIT_ARGS, which
+  libtpu reads once): libtpu keeps reduce-scatters synchronous on v4 (and on v5p in the
+  programs measured) but overlaps those all-to-alls (docs/tpu.md); else None (one
+  reduce-scatter, the only form that overlaps anything on GPU)."""
+  mesh = ctx.mesh if isinstance(ctx.mesh, jax.sharding.Mesh) else None
+  if target_platform(mesh) != "tpu":
+    return None
+  if not backend_flags.async_all_to_all(backend_flags.flags_in_effect()):
+    return None
+  return "all_to_all"
+
+
+def _scatter_form(request, algorithm, dataflow, partial_shape=(), out_dim=0, automatic=None):
   """(the site's reduce-scatter form or None for one collective, a note when the asked
   form is not used): only ls / rs sites of meshslice and collective reduce-scatter, and
-  the global option takes the all-to-all form only where it needs no relayout
-  (`scatter.all_to_all_pays`: the scattered dim leads the local partial); a pin on the
-  site takes it anywhere."""
+  the all-to-all form, asked globally or by "auto" (`automatic`: what it means here),
+  only where it needs no relayout (`scatter.all_to_all_pays`: the scattered dim leads the
+  local partial); a pin on the site takes it anywhere."""
   asked = request.reduce_scatter
+  if asked in (None, "auto"):
+    asked = automatic
   if asked in (None, "reduce_scatter"):
     return None, ""
   if dataflow in ("ls", "rs") and algorithm in ("meshslice", "collective"):
-    if (asked == "all_to_all" and not request.pinned_by("reduce_scatter")
-        and not all_to_all_pays(partial_shape, out_dim)):
+    forced = request.reduce_scatter == "all_to_all" and request.pinned_by("reduce_scatter")
+    if asked == "all_to_all" and not forced and not all_to_all_pays(partial_shape, out_dim):
       return None, (f"reduce_scatter='all_to_all' not used: the scattered dim {out_dim} does "
                     f"not lead the local partial (dims before it: {partial_shape}), so an "
                     f"all-to-all would need a relayout copy and a separate sum, slower than "
                     f"the reduce-scatter on TPU v4 (pin it on the site to force it)")
     return asked, ""
-  if not request.pinned_by("reduce_scatter"):
-    return None, ""      # the global option is for the sites it applies to
+  if not request.pinned_by("reduce_scatter") or request.reduce_scatter in (None, "auto"):
+    return None, ""      # the global option (or "auto") is for the sites it applies to
   return None, (f"{_pinned_by(request, 'reduce_scatter')}reduce_scatter={asked!r} not used: "
                 f"only the ls / rs sites of meshslice and collective take it (this is "
                 f"{algorithm} {dataflow})")

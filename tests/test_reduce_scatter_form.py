@@ -143,7 +143,7 @@ def test_pin_plan_and_errors():
   assert meshslice.explain(step, plan=edited)(params, batch).sites[rs.index].reduce_scatter \
       == "all_to_all"
   with pytest.raises(ValueError, match=r"^reduce_scatter must be one of 'reduce_scatter', "
-                     r"'all_to_all' \(or None for 'reduce_scatter'\), got 'all-to-all'; did "
+                     r"'all_to_all', 'auto' \(or None for 'auto'\), got 'all-to-all'; did "
                      r"you mean 'all_to_all'\?$"):
     meshslice.transform(step, reduce_scatter="all-to-all")
   with pytest.raises(ValueError, match=r"^overrides\[3\]: reduce_scatter must be one of"):
@@ -172,3 +172,32 @@ def test_bf16_all_to_all_site_matches_within_bf16_tolerance():
   assert_trees_close(fast(x, w), step(x, w), jnp.bfloat16)
   want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
   assert_trees_close(fast(x, w), want, jnp.bfloat16)
+
+
+def test_auto_takes_the_all_to_all_form_on_tpu_with_async_all_to_all(monkeypatch):
+  """The default ("auto"): one reduce-scatter on CPU, and on TPU unless libtpu's async
+  all-to-all is on; with it, the all-to-all form where it pays."""
+  pytest.importorskip("libtpu")
+  from meshslice import aot, backend_flags
+  tpu = aot.make_mesh("v4:2x2x2", (2, 4))
+  step, params, data = aot.model_step("gpt3", tpu, layers=1, batch=8)
+
+  def forms(flags, **options):
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(flags))
+    with jax.set_mesh(tpu):
+      report = meshslice.explain(step, algorithm="collective", **options)(params, data)
+    return {(s.dataflow, s.reduce_scatter) for s in report.rewritten}
+
+  safe = backend_flags.SAFE_ASYNC_FLAGS
+  with_a2a = safe + backend_flags.ASYNC_ALL_TO_ALL_FLAGS
+  assert {form for _, form in forms(safe)} == {None}
+  auto = forms(with_a2a)
+  assert ("rs", "all_to_all") in auto and ("ls", None) in auto
+  assert forms(with_a2a, reduce_scatter="auto") == auto
+  assert {form for _, form in forms(with_a2a, reduce_scatter="reduce_scatter")} == {None}
+  assert forms(safe, reduce_scatter="all_to_all") == auto     # asked: whatever the flags
+  # on the CPU mesh the flag means nothing
+  _, _, cpu_step, (cpu_params, batch) = _demo()
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(with_a2a))
+  cpu = meshslice.explain(cpu_step, algorithm="collective")(cpu_params, batch)
+  assert all(s.reduce_scatter is None for s in cpu.rewritten)

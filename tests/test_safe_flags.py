@@ -142,3 +142,11 @@ def test_bench_tpu_aot_flags_and_headline():
   text = tpu_aot.markdown(records)
   assert "| 0.952x (dense_async) |" in text
   assert "- v4 dense_async (libtpu 0.0.42.1): `flags-of-dense_async`" in text
+  # each side at its own best mesh: XLA's best is on the other mesh here
+  other = dict(base, mesh=[4, 2])
+  records += [dict(other, variant=v, **_row(ms, f"flags-of-{v}")) for v, ms in
+              (("dense_async", 1.8), ("meshslice", 2.4))]
+  assert tpu_aot.best_meshes(records) == [
+      "- gpt3 v4 8 chips, each at its best of 2 mesh(es): meshslice 2x4 2.10 ms against "
+      "dense_async 4x2 1.80 ms: 0.857x"]
+  assert tpu_aot.best_meshes(records)[0] in tpu_aot.markdown(records)
