@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -31,7 +30,6 @@ import jax.numpy as jnp
 from meshslice import costmodel, rewrites
 from meshslice.rewrites import GemmGeometry
 from meshslice.rewrites.platform import target_platform
-from meshslice.rewrites.scatter import all_to_all_pays
 
 from . import analysis as A
 from . import backend_flags
@@ -443,20 +441,11 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
                                  block=None, predicted_seconds=None, reason=note)
   form, form_note = _scatter_form(request, algorithm, match.dataflow,
-                                  _partial_shape(out.shape, match.out_spec, geometry.out_dim,
-                                                 ctx.axis_sizes), geometry.out_dim,
                                   _automatic_scatter_form(ctx))
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              reduce_scatter=form, predicted_seconds=seconds,
                              note=_join(site.note, note, form_note))
-
-
-def _partial_shape(out_shape, out_spec, out_dim, axis_sizes) -> tuple:
-  """The local partial product's dims before `out_dim` (the scattered one) on one device:
-  the output's, each divided by the mesh axes its spec splits it over."""
-  return tuple(size // math.prod(axis_sizes[a] for a in entry)
-               for size, entry in zip(out_shape[:out_dim], out_spec[:out_dim]))
 
 
 def _automatic_scatter_form(ctx) -> str | None:
@@ -473,24 +462,16 @@ def _automatic_scatter_form(ctx) -> str | None:
   return "all_to_all"
 
 
-def _scatter_form(request, algorithm, dataflow, partial_shape=(), out_dim=0, automatic=None):
-  """(the site's reduce-scatter form or None for one collective, a note when the asked
-  form is not used): only ls / rs sites of meshslice and collective reduce-scatter, and
-  the all-to-all form, asked globally or by "auto" (`automatic`: what it means here),
-  only where it needs no relayout (`scatter.all_to_all_pays`: the scattered dim leads the
-  local partial); a pin on the site takes it anywhere."""
+def _scatter_form(request, algorithm, dataflow, automatic=None):
+  """(the site's reduce-scatter form or None for one collective, a note when a form
+  pinned on this site does not apply): only ls / rs sites of meshslice and collective
+  reduce-scatter; "auto" (or None) is `automatic`, what it means for this mesh."""
   asked = request.reduce_scatter
   if asked in (None, "auto"):
     asked = automatic
   if asked in (None, "reduce_scatter"):
     return None, ""
   if dataflow in ("ls", "rs") and algorithm in ("meshslice", "collective"):
-    forced = request.reduce_scatter == "all_to_all" and request.pinned_by("reduce_scatter")
-    if asked == "all_to_all" and not forced and not all_to_all_pays(partial_shape, out_dim):
-      return None, (f"reduce_scatter='all_to_all' not used: the scattered dim {out_dim} does "
-                    f"not lead the local partial (dims before it: {partial_shape}), so an "
-                    f"all-to-all would need a relayout copy and a separate sum, slower than "
-                    f"the reduce-scatter on TPU v4 (pin it on the site to force it)")
     return asked, ""
   if not request.pinned_by("reduce_scatter") or request.reduce_scatter in (None, "auto"):
     return None, ""      # the global option (or "auto") is for the sites it applies to

@@ -50,14 +50,15 @@ def reduction_dtype(geometry, lhs_dtype, rhs_dtype):
   return out
 
 
-def local_dot(geometry, lhs, rhs, dtype):
-  """The geometry's dot_general of two local pieces, with a `dtype` result."""
+def local_dot(geometry, lhs, rhs, dtype, *, dimension_numbers=None):
+  """The geometry's dot_general of two local pieces, with a `dtype` result
+  (`dimension_numbers`: instead of the geometry's, for operands reshaped to fit)."""
   if (target_platform() == "cpu" and jnp.dtype(dtype).itemsize > lhs.dtype.itemsize
       and jnp.issubdtype(lhs.dtype, jnp.floating)):
     # XLA's CPU runtime cannot run some bf16 x bf16 -> f32 dots ("Unsupported element
     # type for DotThunk"); widening the operands first computes the same products.
     lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
-  return lax.dot_general(lhs, rhs, geometry.dimension_numbers,
+  return lax.dot_general(lhs, rhs, dimension_numbers or geometry.dimension_numbers,
                          precision=geometry.precision, preferred_element_type=dtype)
 
 

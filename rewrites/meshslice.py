@@ -12,6 +12,7 @@ XLA's collective combiner cannot merge the S sliced collectives back into one.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 from ._local import finish, local_dot
@@ -19,7 +20,8 @@ from ._local import finish, local_dot
 from ._local import accumulation_dtype as accumulation_dtype
 from ._local import reduction_dtype as reduction_dtype
 from .geometry import GemmGeometry
-from .scatter import reduce_scatter
+from .scatter import (all_to_all_pays, reduce_scatter, scatter_pieces, split_dim,
+                      split_dimension_numbers)
 from .slicing import assemble_slices, pipeline_barrier, take_slices
 
 
@@ -114,10 +116,25 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   def gather(m, s):
     return lax.all_gather(m[s], roles.gather_axis, axis=roles.dim, tiled=True)
 
+  n = roles.scatter_size
+  # the all-to-all form where the scattered dim does not lead the partial: cut the moving
+  # operand's dim into (n, extent / n) before the dot, so that the dot writes the partial
+  # pieces-major (no relayout before the all-to-all; docs/tpu.md)
+  split = scatter == "all_to_all" and n > 1 and not all_to_all_pays(
+      _partial_shape(g, lhs, rhs), g.out_dim)
+
   def multiply(m_slice):
-    return local_dot(g, *roles.operands(m_slice, lhs, rhs), acc_dtype).astype(wire_dtype)
+    if not split:
+      return local_dot(g, *roles.operands(m_slice, lhs, rhs), acc_dtype).astype(wire_dtype)
+    operand = 0 if roles.moving_is_lhs else 1
+    numbers = split_dimension_numbers(g.dimension_numbers, operand, roles.dim)
+    pieces = local_dot(g, *roles.operands(split_dim(m_slice, roles.dim, n), lhs, rhs),
+                       acc_dtype, dimension_numbers=numbers)
+    return jnp.moveaxis(pieces, g.out_dim, 0).astype(wire_dtype)
 
   def scatter_slice(partial):
+    if split:
+      return scatter_pieces(partial, roles.scatter_axis)
     return reduce_scatter(partial, roles.scatter_axis, g.out_dim, scatter)
 
   m = take_slices(roles.moving(lhs, rhs), roles.dim, ksplit, block)  # all at once, as in OS
@@ -144,3 +161,12 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   pieces.append(scatter_slice(pending))
   out = assemble_slices(pieces, g.out_dim, block)
   return finish(g, out, lhs, rhs)
+
+
+def _partial_shape(g: GemmGeometry, lhs, rhs) -> tuple:
+  """The dims of the local partial product before `g.out_dim` (batch dims, then lhs free
+  dims, then rhs free dims, as dot_general orders its output)."""
+  (lc, rc), (lb, rb) = g.dimension_numbers
+  free = lambda x, c, b: [x.shape[d] for d in range(x.ndim) if d not in c and d not in b]
+  dims = [lhs.shape[d] for d in lb] + free(lhs, lc, lb) + free(rhs, rc, rb)
+  return tuple(dims[:g.out_dim])

@@ -8,14 +8,17 @@ reduce-scatter synchronous, while an all-to-all becomes an async start/done pair
 weight gradient's reduce-scatter, under the rest of the backward pass). The all-to-all
 form pays a local sum of the n pieces.
 
-Where the form pays off depends on the layout (measured with libtpu on v4, docs/tpu.md).
-When the scattered dim is the local partial's leading dim (every dim before it has size
-1, as for a weight gradient scattered over its first dim), the n pieces are contiguous:
-the all-to-all sends them as they are, and the sum is written as n - 1 elementwise adds
-of its pieces, which XLA fuses into the consumer (the optimizer's update). Anywhere else
-the pieces are strided: libtpu copies the partial into a pieces-major layout first and the
-sum is a separate reduction, together more than the synchronous reduce-scatter costs.
-`all_to_all_pays(shape, dim)` is that rule; the planner applies the option only there.
+How the pieces are laid out decides what the form costs (measured with libtpu on v4,
+docs/tpu.md). When the scattered dim leads the local partial (every dim before it has
+size 1, as for a weight gradient scattered over its first dim: `all_to_all_pays`), the n
+pieces are contiguous: `reduce_scatter` sends them as they are and sums them with n - 1
+elementwise adds, which XLA fuses into the consumer (the optimizer's update). Anywhere
+else the pieces are strided; cut after the matmul, libtpu copies the whole partial into a
+pieces-major layout before the all-to-all and the sum is a separate reduction, together
+more than the synchronous reduce-scatter costs. The algorithms therefore cut such a site
+*before* its matmul: the moving operand's dim is split into (n, extent / n)
+(`split_dim`, `split_dimension_numbers`), the dot writes the partial pieces-major, and
+`scatter_pieces` does the all-to-all and the adds.
 
 Example:
   >>> SCATTER_FORMS
@@ -58,4 +61,31 @@ def reduce_scatter(x, axis_name, dim: int, form: str = "reduce_scatter"):
   total = lax.index_in_dim(received, 0, dim, keepdims=False)
   for j in range(1, n):
     total = total + lax.index_in_dim(received, j, dim, keepdims=False)
+  return total
+
+
+def split_dim(x, dim: int, n: int):
+  """`x` with dim `dim` cut into (n, extent / n): piece j of it is x's j-th chunk."""
+  return x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:])
+
+
+def split_dimension_numbers(dimension_numbers, operand: int, dim: int):
+  """A dot_general's dimension numbers after free dim `dim` of operand 0 (lhs) or 1 (rhs)
+  is cut in two (`split_dim`): that operand's dims after it move up by one."""
+  (contract, batch) = dimension_numbers
+  bump = lambda dims: tuple(d + 1 if d > dim else d for d in dims)
+  contract = tuple(bump(c) if i == operand else tuple(c) for i, c in enumerate(contract))
+  batch = tuple(bump(b) if i == operand else tuple(b) for i, b in enumerate(batch))
+  return (contract, batch)
+
+
+def scatter_pieces(pieces, axis_name):
+  """The all-to-all form on a partial already cut into pieces along its leading dim (piece
+  j for device j): this device's piece summed over the axis. A matmul that writes its
+  output pieces-major this way (the moving operand's dim split before the dot) needs no
+  relayout of the partial before the all-to-all."""
+  received = lax.all_to_all(pieces, axis_name, split_axis=0, concat_axis=0, tiled=False)
+  total = received[0]
+  for j in range(1, received.shape[0]):
+    total = total + received[j]
   return total
