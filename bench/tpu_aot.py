@@ -75,6 +75,10 @@ _MESHSLICE_OPTIONS = flags.DEFINE_string(
     "variants, e.g. '{\"reduce_scatter\": \"all_to_all\"}' (with --meshslice_flags="
     "async,all_to_all, which every async variant, XLA's included, then gets)")
 _LAYERS = flags.DEFINE_integer("layers", 1, "layers in the step")
+_SCHEDULER_LOG = flags.DEFINE_bool(
+    "scheduler_log", False, "also read libtpu's latency-hiding scheduler totals (its own cost "
+    "model's 'Total cycles', entry + loop bodies; docs/tpu.md) into the 'libtpu sched "
+    "Mcyc' column")
 _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "seconds per compile (each variant)")
 _OUT = flags.DEFINE_string("out", None, "append one JSON line per (model, chips, variant)")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "write the table as markdown here")
@@ -111,15 +115,21 @@ def _worker(spec: dict) -> dict:
     record["plans"] = sorted({f"{s.algorithm} {s.dataflow} S={s.ksplit}"
                               + (f" rs={s.reduce_scatter}" if s.reduce_scatter else "")
                               for s in report.rewritten})
-  compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
+  from meshslice.costmodel import tpu_schedule
+  log = tpu_schedule.capture_stderr() if spec.get("scheduler_log") else None
+  if log is not None:
+    with log:
+      compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
+  else:
+    compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
   if spec.get("save_hlo"):
     mesh_name = "x".join(map(str, spec["mesh"]))
     name = f"{spec['model']}_{spec['topology']}_{mesh_name}_{spec['variant']}"
     os.makedirs(spec["save_hlo"], exist_ok=True)
     with open(os.path.join(spec["save_hlo"], name.replace(":", "-") + ".hlo"), "w") as f:
       f.write(compiled.as_text())
-  record.update(aot.analyze(compiled, gen.profile, compile_s=seconds,
-                            mesh_shape=spec["mesh"]).row())
+  record.update(aot.analyze(compiled, gen.profile, compile_s=seconds, mesh_shape=spec["mesh"],
+                            scheduler_log=log.text if log is not None else None).row())
   from importlib.metadata import version
   record["libtpu"] = version("libtpu")
   return record
@@ -128,6 +138,9 @@ def _worker(spec: dict) -> dict:
 def _run_variant(spec: dict) -> dict:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
+  if spec.get("scheduler_log"):
+    from meshslice.costmodel.tpu_schedule import SCHEDULER_LOG_ENV
+    env.update(SCHEDULER_LOG_ENV)          # read by libtpu when it loads
   start = time.perf_counter()
   try:
     out = subprocess.run([sys.executable, __file__, f"--worker={json.dumps(spec)}"],
@@ -157,7 +170,7 @@ def _meshes_for(model: str, chips: int, profile: str) -> list:
 
 COLUMNS = ("model", "chips", "topology", "mesh", "variant", "compute Mcyc", "dot Mcyc",
            "copies", "coll GB", "WE loops", "step ms", "exposed ms", "peak GiB",
-           "libtpu peak GiB", "compile s", "vs best XLA")
+           "libtpu peak GiB", "libtpu sched Mcyc", "compile s", "vs best XLA")
 
 
 def _cells(r: dict) -> list[str]:
@@ -170,8 +183,16 @@ def _cells(r: dict) -> list[str]:
                  str(r["relayout_copies"]), f"{r['collective_bytes'] / 1e9:.2f}",
                  str(r["windowed_einsum_loops"]), f"{r['step_s'] * 1e3:.2f}",
                  f"{r['exposed_s'] * 1e3:.2f}", f"{r['peak_bytes'] / 2**30:.2f}",
-                 f"{(r.get('libtpu_peak_bytes') or 0) / 2**30:.2f}", f"{r['compile_s']:.0f}",
+                 f"{(r.get('libtpu_peak_bytes') or 0) / 2**30:.2f}", _scheduler_cell(r),
+                 f"{r['compile_s']:.0f}",
                  f"{best[2]:.3f}x ({best[0]})" if best else ""]
+
+
+def _scheduler_cell(r: dict) -> str:
+  """libtpu's scheduler total (entry + loop bodies, Mcycles), "" when not logged."""
+  if r.get("scheduler_cycles") is None:
+    return ""
+  return f"{(r['scheduler_cycles'] + (r.get('scheduler_loop_cycles') or 0)) / 1e6:.1f}"
 
 
 def headline(records) -> list:
@@ -271,7 +292,8 @@ def main(argv):
                               for v in _VARIANTS.value):
           spec = {"model": model, "topology": topology, "mesh": list(mesh),
                   "variant": variant, "layers": _LAYERS.value, "save_hlo": _SAVE_HLO.value,
-                  "async": _MESHSLICE_FLAGS.value, "options": options}
+                  "async": _MESHSLICE_FLAGS.value, "options": options,
+                  "scheduler_log": _SCHEDULER_LOG.value}
           record = dict(spec, chips=chips, generation=generation, **_run_variant(spec))
           records.append(record)
           print(" | ".join(_cells(record)), flush=True)

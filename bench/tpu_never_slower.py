@@ -2,9 +2,11 @@
 emb 2048, mlp 8192, seq 2048, 2 layers, bf16) compiled for v4:2x2x2 as (data 1, x 2,
 y 4): plain jit vs meshslice's default plan under the rule (costing.XLA_MARGIN, ties to
 XLA on TPU) and under the rule before it (collective kept on a tie, sliced rewrites kept
-when strictly faster). argv[1]: libtpu flag presets (default: async).
+when strictly faster). argv[1]: libtpu flag presets (default: async); optional argv[2:]:
+topology, mesh as DATAxXxY, layers, batch.
 
   python bench/tpu_never_slower.py async    # ~3 min, 3 compiles
+  python bench/tpu_never_slower.py dense,async,all_to_all v4:8x8x4 1x64x4 2 256
 """
 import os
 import sys
@@ -17,15 +19,20 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 import maxtext_style_step as ex
 import meshslice
-cfg = ex.Config(layers=2, batch=8, seq=2048, embed=2048, heads=16, mlp=8192, vocab=32768,
-                dtype="bfloat16")
-tpu = aot.make_mesh("v4:2x2x2", (1, 2, 4), ("data", "x", "y"))
+topology = sys.argv[2] if len(sys.argv) > 2 else "v4:2x2x2"
+shape = tuple(int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "1x2x4").split("x"))
+layers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+batch = int(sys.argv[5]) if len(sys.argv) > 5 else 8
+cfg = ex.Config(layers=layers, batch=batch, seq=2048, embed=2048, heads=16, mlp=8192,
+                vocab=32768, dtype="bfloat16")
+tpu = aot.make_mesh(topology, shape, ("data", "x", "y"))
 step, args, _, _ = ex.make_step(cfg, tpu)
 def old_rule(best, coll, xla, margin=0.0, **_):
   if coll and not xla.windowed:
     return best > xla.seconds * (1 + 1e-9)
   return best >= xla.seconds
-out = {"flags": os.environ.get("LIBTPU_INIT_ARGS", "")}
+out = {"flags": os.environ.get("LIBTPU_INIT_ARGS", ""), "topology": topology,
+       "mesh": shape, "layers": layers, "batch": batch}
 variants = [("plain", None), ("new rule", None), ("old rule", old_rule)]
 for name, rule in variants:
   fn = step

@@ -153,8 +153,13 @@ class Plan:
           return {"rewrite": False}
         if not entry["rewritten"] and not entry.get("edited"):
           return {}
-        return {k: entry[k] for k in ("algorithm", "dataflow", "ksplit", "reduce_scatter")
-                if entry.get(k)}
+        pin = {k: entry[k] for k in ("algorithm", "dataflow", "ksplit", "reduce_scatter")
+               if entry.get(k)}
+        if pin.get("algorithm"):
+          # a site without a recorded form was planned with one reduce-scatter: so it
+          # stays, whatever "auto" would pick under other flags
+          pin.setdefault("reduce_scatter", "reduce_scatter")
+        return pin
     return {}
 
   def check_matches(self, sites, mesh_shape=None) -> None:

@@ -18,8 +18,9 @@ the compiler's own program.
     fast_step = meshslice.transform(step, plan=plan)        # on the real pod
 
 Candidates ({name: transform options}, `CANDIDATES`): "xla" (always added), "default"
-(the default plan), "collective", "collective+all_to_all" (its reduce-scatters as an
-all-to-all and a local sum), "ksplit=2", "ksplit=4". The plan is a deterministic
+(the default plan: its reduce-scatter form "auto"), "collective" (one reduce-scatter
+per site), "collective+all_to_all" (its reduce-scatters as an all-to-all and a local
+sum), "ksplit=2", "ksplit=4". The plan is a deterministic
 function of the program, the mesh, the candidates and the libtpu in use: nothing runs on
 a device, nothing is timed.
 """
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 
 CANDIDATES = {
     "default": {},
-    "collective": {"algorithm": "collective"},
+    # the form spelled out: "auto" would follow the libtpu flags
+    "collective": {"algorithm": "collective", "reduce_scatter": "reduce_scatter"},
     # reduce-scatters as all-to-all + sum: async on v4 with --xla_tpu_enable_async_all_to_all
     "collective+all_to_all": {"algorithm": "collective", "reduce_scatter": "all_to_all"},
     "ksplit=2": {"algorithm": "meshslice", "ksplit": 2},

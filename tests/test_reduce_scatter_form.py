@@ -190,11 +190,14 @@ def test_auto_takes_the_all_to_all_form_on_tpu_with_async_all_to_all(monkeypatch
   tpu = aot.make_mesh("v4:2x2x2", (2, 4))
   step, params, data = aot.model_step("gpt3", tpu, layers=1, batch=8)
 
-  def forms(flags, **options):
+  def explain(flags, **options):
     monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(flags))
+    options.setdefault("algorithm", "collective")
     with jax.set_mesh(tpu):
-      report = meshslice.explain(step, algorithm="collective", **options)(params, data)
-    return {(s.dataflow, s.reduce_scatter) for s in report.rewritten}
+      return meshslice.explain(step, **options)(params, data)
+
+  def forms(flags, **options):
+    return {(s.dataflow, s.reduce_scatter) for s in explain(flags, **options).rewritten}
 
   safe = backend_flags.SAFE_ASYNC_FLAGS
   with_a2a = safe + backend_flags.ASYNC_ALL_TO_ALL_FLAGS
@@ -204,6 +207,11 @@ def test_auto_takes_the_all_to_all_form_on_tpu_with_async_all_to_all(monkeypatch
   assert forms(with_a2a, reduce_scatter="auto") == auto
   assert {form for _, form in forms(with_a2a, reduce_scatter="reduce_scatter")} == {None}
   assert forms(safe, reduce_scatter="all_to_all") == auto     # asked: whatever the flags
+  # a plan keeps the forms it was made with under other flags
+  one_collective = explain(safe).plan
+  assert '"reduce_scatter"' not in one_collective.to_json()
+  assert {f for _, f in forms(with_a2a, plan=one_collective, algorithm=None)} == {None}
+  assert forms(safe, plan=explain(with_a2a).plan, algorithm=None) == auto
   # on the CPU mesh the flag means nothing
   _, _, cpu_step, (cpu_params, batch) = _demo()
   monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(with_a2a))

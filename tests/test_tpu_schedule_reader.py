@@ -9,6 +9,7 @@ the shipped tpu-v4 profile (costmodel/profiles/tpu-v4.json): all-gather on profi
 79.751e9 B/s, 5 us per hop, 13 us base; send/recv: dim 0 38.801e9 B/s, dim 1 35.224e9,
 50 us per hop, 13 us base; clock 1.05 GHz (105000 cycles = 100 us).
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 from meshslice.costmodel import hlo_text, load_profile, profile_for_mesh
 from meshslice.costmodel import tpu_schedule as ts
+from meshslice.costmodel.timing import all_reduce_time
 
 US = 1e-6
 MiB2 = 1024 * 1024 * 2                      # a bf16[1024,1024] block
@@ -210,6 +212,38 @@ def test_strategy_names_and_torus_dims():
   assert ts._strategy('{"flag_configs":[]}') == ("", 0)
 
 
+ND_256 = ('{"collective_algorithm_config":{"emitter":"RotatedPincerEmitter","strategy":'
+          '"StrategyND","debug":"\\nStrategyND{colors:3 phases:3 cores:{8 8 4},{8 4 8},'
+          '{4 8 8} nophase0:0 reserved_sflags:1"}}')
+
+
+def test_nd_all_reduce_is_priced_per_phase():
+  """The GPT-3 step's scalar loss psum over 256 chips (v4:8x8x4): libtpu runs StrategyND
+  over rings of 8, 8 and 4, one phase per torus dim. Priced as one 256-chip ring it cost
+  2.6 ms of hop latency; per phase it is three small all-reduces."""
+  assert ts._strategy_cores(ND_256) == (8, 8, 4)
+  assert ts._strategy_cores(AR_ND) == (4, 4)
+  assert ts._strategy_cores(AR_1D) == () and ts._strategy_cores(AG_1D) == ()
+  text = _module(f"""
+ENTRY %main (p0: f32[1024]) -> f32[1024] {{
+  %p0 = f32[1024]{{0}} parameter(0)
+  ROOT %ar = f32[1024]{{0}} all-reduce(%p0), channel_id=1, replica_groups=[1,256]<=[256], use_global_device_ids=true, to_apply=%add, backend_config={ND_256}
+}}""", partitions=256)  # noqa: E501
+  op, = [op for op in ts.read_schedule(text).expanded() if op.name == "ar"]
+  assert (op.group_size, op.ring_cores, op.ring_dims) == (256, (8, 8, 4), 3)
+  v4 = load_profile("tpu-v4")
+  phases = (all_reduce_time(v4, op.link, 8, 4096) + all_reduce_time(v4, op.link, 8, 512)
+            + all_reduce_time(v4, op.link, 4, 64))
+  assert ts.collective_seconds(op, v4) == pytest.approx(phases)
+  one_ring = all_reduce_time(v4, op.link, 256, 4096)
+  assert one_ring > 2.5e-3 and phases < 0.4e-3
+  # the bytes on the wire are a single ring's: only the hop latency changes
+  big = dataclasses.replace(op, bytes=2 ** 30)
+  latency = lambda sizes: sum(all_reduce_time(v4, op.link, n, 0.0) for n in sizes)
+  assert ts.collective_seconds(big, v4) - latency((8, 8, 4)) == pytest.approx(
+      all_reduce_time(v4, op.link, 256, 2 ** 30) - latency((256,)), rel=1e-9)
+
+
 def _row_gather(config: str) -> str:
   # 256 partitions as a 64x4 mesh; gather over the 64-chip row axis (partitions 4
   # apart: dim 0) of bf16[512,1024] shards (1 MiB) into bf16[32768,1024].
@@ -366,6 +400,7 @@ _SCRIPT = """
 import json, sys
 from meshslice import aot
 from meshslice.costmodel import tpu_schedule as ts
+from meshslice.costmodel.timing import all_reduce_time
 aot.set_flags("--xla_enable_async_all_gather=true")
 import jax, jax.numpy as jnp
 jax.config.update("jax_platforms", "cpu")
