@@ -152,17 +152,25 @@ def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tu
   return tuple(flag for flag in wanted if flag not in given)
 
 
+# TPU generations whose libtpu keeps reduce-scatters synchronous under every flag tried
+# (docs/tpu.md): there the pass's all-to-all form is what overlaps them
+SYNC_REDUCE_SCATTER_GENERATIONS = ("v4", "v5p", "v6e")
+
+
 def overlap_note(sites, mesh, environ=None) -> tuple:
   """Report notes when sliced sites will run on a backend without its overlap flags,
-  or (TPU) with a flag the newest libtpu refuses on the mesh's generation."""
+  or (TPU) with a flag the newest libtpu refuses on the mesh's generation, or (TPU v4,
+  v5p, v6e) when reduce-scatters could be async all-to-alls but the flag is missing."""
   from jax.sharding import Mesh
-  if not isinstance(mesh, Mesh) or not any(s.rewritten and (s.ksplit or 1) > 1
-                                           for s in sites):
+  if not isinstance(mesh, Mesh):
     return ()        # an AbstractMesh has no devices: the backend is not known here
   device = mesh.devices.flat[0]
   platform = getattr(device, "platform", "")
   generation = tpu_generation(getattr(device, "device_kind", "")) if platform == "tpu" else None
-  notes = []
+  scatter_note = _all_to_all_note(sites, generation, environ)
+  if not any(s.rewritten and (s.ksplit or 1) > 1 for s in sites):
+    return scatter_note
+  notes = list(scatter_note)
   unsafe = unsafe_flags(generation, flags_in_effect(environ)) if platform == "tpu" else ()
   # a flag set to an unsafe value gets its own note below
   keys = {f.split("=", 1)[0] for f in unsafe}
@@ -179,3 +187,22 @@ def overlap_note(sites, mesh, environ=None) -> tuple:
                  f"newest libtpu refuses on TPU {generation} as unsafe (incorrect results, "
                  f"hangs); use {' '.join(tpu_overlap_flags(generation))} (docs/tpu.md)")
   return tuple(notes)
+
+
+def _all_to_all_note(sites, generation, environ=None) -> tuple:
+  """The note for rewritten ls / rs sites left with synchronous reduce-scatters on a TPU
+  generation where the all-to-all form would overlap them, for want of the flag."""
+  if generation not in SYNC_REDUCE_SCATTER_GENERATIONS:
+    return ()
+  if async_all_to_all(flags_in_effect(environ)):
+    return ()
+  scattering = [s for s in sites if s.rewritten and s.dataflow in ("ls", "rs")
+                and s.algorithm in ("meshslice", "collective") and not s.reduce_scatter]
+  if not scattering:
+    return ()
+  return (f"{len(scattering)} rewritten site{'s' if len(scattering) != 1 else ''} "
+          f"reduce-scatter{' their' if len(scattering) != 1 else 's its'} partial products, which "
+          f"libtpu keeps synchronous on TPU {generation}; with "
+          f"{ASYNC_ALL_TO_ALL_FLAGS[0]} in LIBTPU_INIT_ARGS as well (set before jax "
+          f"starts) the pass sends them as async all-to-alls (reduce_scatter='auto'; "
+          f"docs/tpu.md)",)

@@ -76,8 +76,9 @@ def test_all_to_all_sites_match_plain_jit_and_the_unsharded_run(options):
 @pytest.mark.parametrize("ksplit", [1, 2])
 def test_a_strided_scatter_is_cut_before_the_matmul(ksplit):
   """An ls site whose scattered dim (N of (M, N)) does not lead: the moving operand is cut
-  into (n, N / n) before the dot, the dot writes (M, n, N / n) moved to (n, M, N / n), the all-to-all splits dim 0
-  and adds sum the pieces. Values as plain jit and the unsharded product."""
+  into (n, N / n) before the dot, the dot writes (M, n, N / n), moved to (n, M, N / n);
+  the all-to-all splits dim 0 and adds sum the pieces. Values as plain jit and the
+  unsharded product."""
   m = mesh((2, 4))
   rng = np.random.RandomState(3)
   x = jax.device_put(jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
@@ -217,3 +218,25 @@ def test_auto_takes_the_all_to_all_form_on_tpu_with_async_all_to_all(monkeypatch
   monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(with_a2a))
   cpu = meshslice.explain(cpu_step, algorithm="collective")(cpu_params, batch)
   assert all(s.reduce_scatter is None for s in cpu.rewritten)
+
+
+def test_the_report_asks_for_the_flag_on_tpu(monkeypatch):
+  pytest.importorskip("libtpu")
+  from meshslice import aot, backend_flags
+  v4 = aot.make_mesh("v4:2x2x1", (2, 2))
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(v4, P("x", "y")))
+  w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(v4, P("y", "x")))
+
+  def notes(flags):
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(flags))
+    with jax.set_mesh(v4):
+      report = meshslice.explain(jax.jit(lambda a, b: a @ b), algorithm="collective")(x, w)
+    assert [s.dataflow for s in report.rewritten] == ["ls"]
+    return report.notes
+
+  note, = notes(backend_flags.SAFE_ASYNC_FLAGS)
+  assert note == ("1 rewritten site reduce-scatters its partial products, which libtpu "
+                  "keeps synchronous on TPU v4; with --xla_tpu_enable_async_all_to_all=true "
+                  "in LIBTPU_INIT_ARGS as well (set before jax starts) the pass sends them as "
+                  "async all-to-alls (reduce_scatter='auto'; docs/tpu.md)")
+  assert notes(backend_flags.SAFE_ASYNC_FLAGS + backend_flags.ASYNC_ALL_TO_ALL_FLAGS) == ()
