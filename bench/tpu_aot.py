@@ -77,8 +77,8 @@ _MESHSLICE_OPTIONS = flags.DEFINE_string(
 _LAYERS = flags.DEFINE_integer("layers", 1, "layers in the step")
 _SCHEDULER_LOG = flags.DEFINE_bool(
     "scheduler_log", False, "also read libtpu's latency-hiding scheduler totals (its own cost "
-    "model's 'Total cycles', entry + loop bodies; docs/tpu.md) into the 'libtpu sched "
-    "Mcyc' column")
+    "model's 'Total cycles', entry + loop bodies, and its wasted cycles in parentheses; "
+    "docs/tpu.md) into the 'libtpu sched Mcyc' column")
 _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "seconds per compile (each variant)")
 _OUT = flags.DEFINE_string("out", None, "append one JSON line per (model, chips, variant)")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "write the table as markdown here")
@@ -189,10 +189,13 @@ def _cells(r: dict) -> list[str]:
 
 
 def _scheduler_cell(r: dict) -> str:
-  """libtpu's scheduler total (entry + loop bodies, Mcycles), "" when not logged."""
+  """libtpu's scheduler total (entry + loop bodies, Mcycles) and, in parentheses, the part
+  it counts as waiting for collectives; "" when not logged."""
   if r.get("scheduler_cycles") is None:
     return ""
-  return f"{(r['scheduler_cycles'] + (r.get('scheduler_loop_cycles') or 0)) / 1e6:.1f}"
+  total = f"{(r['scheduler_cycles'] + (r.get('scheduler_loop_cycles') or 0)) / 1e6:.1f}"
+  wasted = r.get("scheduler_wasted_cycles")
+  return total if wasted is None else f"{total} ({wasted / 1e6:.1f})"
 
 
 def headline(records) -> list:

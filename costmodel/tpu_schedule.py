@@ -898,16 +898,23 @@ def read_scheduler_log(text: str) -> list[SchedulerTotals]:
   return [SchedulerTotals(**records[k]) for k in order]
 
 
-def scheduler_cycles(log, entry: str | None = None) -> float | None:
-  """libtpu's scheduler "Total cycles" (after scheduling) for the entry computation of
-  one compile's log (text or `read_scheduler_log`'s list): the record named `entry` (the
-  HLO's ENTRY computation name) when present, else the last one logged; None when
-  nothing was logged (libtpu logs only computations with async work to schedule)."""
+def scheduler_entry(log, entry: str | None = None) -> SchedulerTotals | None:
+  """libtpu's scheduler record for the entry computation of one compile's log (text or
+  `read_scheduler_log`'s list): the record named `entry` (the HLO's ENTRY computation
+  name) when present, else the last one logged; None when nothing was logged (libtpu logs
+  only computations with async work to schedule)."""
   totals = read_scheduler_log(log) if isinstance(log, str) else list(log)
   if not totals:
     return None
   named = [t for t in totals if entry is not None and t.computation == entry]
-  return (named or totals)[-1].cycles
+  return (named or totals)[-1]
+
+
+def scheduler_cycles(log, entry: str | None = None) -> float | None:
+  """libtpu's scheduler "Total cycles" (after scheduling) for the entry computation
+  (`scheduler_entry`); None when nothing was logged."""
+  record = scheduler_entry(log, entry)
+  return None if record is None else record.cycles
 
 
 def scheduler_loop_cycles(log, schedule: "CompiledSchedule") -> float:

@@ -296,6 +296,8 @@ class AotResult:
     scheduler_s: scheduler_cycles / the chip clock: nominal, for putting it beside
       simulation.step_s; it ranks programs as libtpu's scheduler does, it is not a
       measured step time.
+    scheduler_wasted_cycles: of scheduler_cycles, what the scheduler counts as waiting for
+      collectives ("Total wasted cycles": its exposed communication); None without a log.
     scheduler_loop_cycles: the scheduler's totals for the bodies of `while` loops, times
       their trip counts (`tpu_schedule.scheduler_loop_cycles`); the entry total counts a
       loop as one node costing less (docs/tpu.md), so compare programs with loops on
@@ -314,6 +316,7 @@ class AotResult:
   scheduler_cycles: float | None = None
   scheduler_s: float | None = None
   scheduler_loop_cycles: float | None = None
+  scheduler_wasted_cycles: float | None = None
   schedule: object = dataclasses.field(default=None, repr=False, compare=False)
 
   def row(self) -> dict:
@@ -331,6 +334,7 @@ class AotResult:
             "libtpu_peak_bytes": self.libtpu_peak_bytes,
             "scheduler_cycles": self.scheduler_cycles, "scheduler_s": self.scheduler_s,
             "scheduler_loop_cycles": self.scheduler_loop_cycles,
+            "scheduler_wasted_cycles": self.scheduler_wasted_cycles,
             "compile_s": self.compile_s, "flags": self.flags}
 
 
@@ -374,11 +378,12 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
   clock = tpu_schedule.CLOCK_HZ.get(base.name)
   axis_dims = None if mesh_shape is None or not ring_shares else (
       tpu_schedule.axis_torus_dims(base, tuple(mesh_shape)))
-  lhs = lhs_loops = None
+  lhs = lhs_loops = wasted = None
   if scheduler_log:
     entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
     totals = tpu_schedule.read_scheduler_log(scheduler_log)
-    lhs = tpu_schedule.scheduler_cycles(totals, entry.group(1) if entry else None)
+    record = tpu_schedule.scheduler_entry(totals, entry.group(1) if entry else None)
+    lhs, wasted = (None, None) if record is None else (record.cycles, record.wasted_cycles)
     lhs_loops = tpu_schedule.scheduler_loop_cycles(totals, schedule) if totals else None
   return AotResult(summary=tpu_schedule.summarize(schedule),
                    simulation=tpu_schedule.simulate(schedule, prof, clock_hz=clock,
@@ -387,7 +392,7 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
                    temp_bytes=temp, compile_s=compile_s,
                    flags=os.environ.get("LIBTPU_INIT_ARGS", ""),
                    libtpu_peak_bytes=libtpu_peak, scheduler_cycles=lhs,
-                   scheduler_loop_cycles=lhs_loops,
+                   scheduler_loop_cycles=lhs_loops, scheduler_wasted_cycles=wasted,
                    scheduler_s=None if lhs is None or not clock else lhs / clock,
                    schedule=schedule)
 

@@ -440,6 +440,7 @@ def test_aot_scheduler_totals_and_libtpu_peak_beside_the_simulation():
   assert row["scheduler_cycles"] > 0
   assert row["scheduler_s"] == pytest.approx(row["scheduler_cycles"] / 1.05e9)
   assert row["scheduler_loop_cycles"] == 0                # no while loops here
+  assert 0 <= row["scheduler_wasted_cycles"] <= row["scheduler_cycles"]
   # its total is not the backend's estimate: the 1024^3 dot alone (~15k estimated
   # cycles) is charged ~22.6k; the sum exceeds our compute
   assert len(got["dots"]) == 1 and 10_000 < got["dots"][0] < 20_000
