@@ -75,6 +75,9 @@ _MESHSLICE_OPTIONS = flags.DEFINE_string(
     "variants, e.g. '{\"reduce_scatter\": \"all_to_all\"}' (with --meshslice_flags="
     "async,all_to_all, which every async variant, XLA's included, then gets)")
 _LAYERS = flags.DEFINE_integer("layers", 1, "layers in the step")
+_SUMMARIZE = flags.DEFINE_list(
+    "summarize", [], "compile nothing: print the best-mesh summary of these --out JSON-lines "
+    "files (several runs: scales, generations, libtpus)")
 _SCHEDULER_LOG = flags.DEFINE_bool(
     "scheduler_log", False, "also read libtpu's latency-hiding scheduler totals (its own cost "
     "model's 'Total cycles', entry + loop bodies, and its wasted cycles in parentheses; "
@@ -240,6 +243,51 @@ def best_meshes(records) -> list:
   return lines
 
 
+SUMMARY_COLUMNS = ("model", "chips", "generation", "libtpu", "best XLA (mesh)", "XLA ms",
+                   "meshslice (mesh)", "meshslice ms", "vs best XLA", "libtpu sched: XLA / ours",
+                   "compute vs dense", "exposed ms", "libtpu peak vs best XLA")
+
+
+def summary(records) -> list:
+  """One row per (model, generation, chips, libtpu): the fastest XLA variant and the
+  fastest meshslice variant over every mesh compiled (SUMMARY_COLUMNS). "compute vs
+  dense" divides by the dense program's compute at the rewrite's mesh; the scheduler
+  column is libtpu's own total (entry + loops) for each side, where it logged one."""
+  from meshslice import aot
+  groups = {}
+  for r in records:
+    if isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0:
+      key = (r["model"], r["chips"], r.get("generation"), r.get("libtpu", "?"))
+      groups.setdefault(key, []).append(r)
+  sched = lambda r: (None if r.get("scheduler_cycles") is None else
+                     r["scheduler_cycles"] + (r.get("scheduler_loop_cycles") or 0))
+  rows = []
+  for (model, chips, gen, lib), rs in groups.items():
+    xla = [r for r in rs if r["variant"] in aot.XLA_VARIANTS]
+    ours = [r for r in rs if r["variant"] not in aot.XLA_VARIANTS]
+    if not xla or not ours:
+      continue
+    rival, best = min(xla, key=lambda r: r["step_s"]), min(ours, key=lambda r: r["step_s"])
+    dense = [r for r in xla if r["variant"] == "dense" and r["mesh"] == best["mesh"]]
+    mesh = lambda r: "x".join(map(str, r["mesh"]))
+    a, b = sched(rival), sched(best)
+    rows.append([
+        model, str(chips), gen or "", lib, f"{rival['variant']} ({mesh(rival)})",
+        f"{rival['step_s'] * 1e3:.1f}", f"{best['variant']} ({mesh(best)})",
+        f"{best['step_s'] * 1e3:.1f}", f"{rival['step_s'] / best['step_s']:.3f}x",
+        f"{a / 1e6:.0f} / {b / 1e6:.0f}" if a and b else (f"- / {b / 1e6:.0f}" if b else ""),
+        f"{best['compute_s'] / dense[0]['compute_s']:.3f}x" if dense else "",
+        f"{best['exposed_s'] * 1e3:.1f}",
+        f"{best['libtpu_peak_bytes'] / rival['libtpu_peak_bytes']:.2f}x"
+        if rival.get("libtpu_peak_bytes") else ""])
+  return rows
+
+
+def summary_markdown(records) -> str:
+  lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
+  return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in summary(records)])
+
+
 def flag_lines(records) -> list:
   """One line per (generation, variant, libtpu): the flags it was compiled with."""
   seen = {}
@@ -263,6 +311,11 @@ def main(argv):
   del argv
   if _WORKER.value:
     print("RESULT " + json.dumps(_worker(json.loads(_WORKER.value))), flush=True)
+    return
+  if _SUMMARIZE.value:
+    records = [json.loads(line) for path in _SUMMARIZE.value
+               for line in open(path, encoding="utf-8") if line.strip()]
+    print(summary_markdown(records))
     return
   from meshslice import aot
   if not aot.have_libtpu():

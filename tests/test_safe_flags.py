@@ -150,3 +150,6 @@ def test_bench_tpu_aot_flags_and_headline():
       "- gpt3 v4 8 chips, each at its best of 2 mesh(es): meshslice 2x4 2.10 ms against "
       "dense_async 4x2 1.80 ms: 0.857x"]
   assert tpu_aot.best_meshes(records)[0] in tpu_aot.markdown(records)
+  records += [dict(other, variant="dense", **_row(2.5))]
+  row, = tpu_aot.summary(records)
+  assert row[4:10] == ["dense_async (4x2)", "1.8", "meshslice (2x4)", "2.1", "0.857x", ""]
