@@ -9,7 +9,8 @@ each against XLA's best program (dense_async) compiled with the same flags:
   psum_scatter  the rewrite as the pass emits it by default (one reduce-scatter per site)
   all_to_all    the pass option reduce_scatter="all_to_all": each reduce-scatter as an
                 all-to-all (async on v4 with --xla_tpu_enable_async_all_to_all) followed
-                by a local sum of the n pieces
+                by adds of the n pieces, laid out pieces-major without a copy of the
+                partial (rewrites/scatter.py; what "auto" picks under these flags)
   ring          each reduce-scatter written as n-1 collective-permutes (async) with adds,
                 swapped in for `jax.lax.psum_scatter` while the rewrite is traced (an
                 experiment, not a pass option)
