@@ -118,12 +118,10 @@ def _worker(spec: dict) -> dict:
     record["plans"] = sorted({f"{s.algorithm} {s.dataflow} S={s.ksplit}"
                               + (f" rs={s.reduce_scatter}" if s.reduce_scatter else "")
                               for s in report.rewritten})
+  import contextlib
   from meshslice.costmodel import tpu_schedule
   log = tpu_schedule.capture_stderr() if spec.get("scheduler_log") else None
-  if log is not None:
-    with log:
-      compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
-  else:
+  with log if log is not None else contextlib.nullcontext():
     compiled, seconds = aot.compile(fn, params, data, mesh=mesh)
   if spec.get("save_hlo"):
     mesh_name = "x".join(map(str, spec["mesh"]))

@@ -114,15 +114,18 @@ def windowed_einsum_off(flags) -> frozenset:
     >>> sorted(windowed_einsum_off(" ".join(DENSE_FLAGS)))
     ['all_gather', 'reduce_scatter']
   """
+  return frozenset(kind for kind in ("all_gather", "reduce_scatter")
+                   if _last_value(flags, f"--xla_tpu_enable_windowed_einsum_for_{kind}")
+                   in ("false", "0"))
+
+
+def _last_value(flags, key: str) -> str | None:
+  """The value the last `key[=value]` of `flags` (a LIBTPU_INIT_ARGS string or a
+  sequence) sets, lower-cased ("true" for a bare `key`); None when it is not given."""
   given = flags.split() if isinstance(flags, str) else list(flags)
-  off = set()
-  for kind in ("all_gather", "reduce_scatter"):
-    key = f"--xla_tpu_enable_windowed_einsum_for_{kind}"
-    values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in given
-              if f.split("=", 1)[0] == key]
-    if values and values[-1] in ("false", "0"):
-      off.add(kind)
-  return frozenset(off)
+  values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in given
+            if f.split("=", 1)[0] == key]
+  return values[-1] if values else None
 
 
 def async_all_to_all(flags) -> bool:
@@ -133,11 +136,7 @@ def async_all_to_all(flags) -> bool:
     >>> async_all_to_all(" ".join(ASYNC_ALL_TO_ALL_FLAGS)), async_all_to_all("")
     (True, False)
   """
-  given = flags.split() if isinstance(flags, str) else list(flags)
-  key = ASYNC_ALL_TO_ALL_FLAGS[0].split("=", 1)[0]
-  values = [f.split("=", 1)[1].lower() if "=" in f else "true" for f in given
-            if f.split("=", 1)[0] == key]
-  return bool(values) and values[-1] in ("true", "1")
+  return _last_value(flags, ASYNC_ALL_TO_ALL_FLAGS[0].split("=", 1)[0]) in ("true", "1")
 
 
 def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tuple:

@@ -67,10 +67,9 @@ class Options:
       skips JAX's internals.
     reduce_scatter: how ls / rs sites of the meshslice and collective algorithms
       reduce-scatter their partial products: "reduce_scatter" (one reduce-scatter
-      collective per slice), "all_to_all" (an all-to-all and a local sum, where the
-      scattered dim leads the local partial: elsewhere it would need a relayout copy, and
-      the site keeps one reduce-scatter with a note; a per-site pin forces it anywhere),
-      or "auto" (None, the default): "all_to_all" when the mesh is TPU and this process's
+      collective per slice), "all_to_all" (an all-to-all and a local sum, laid out so
+      that neither copies the partial: `meshslice.rewrites.scatter`), or "auto" (None,
+      the default): "all_to_all" when the mesh is TPU and this process's
       LIBTPU_INIT_ARGS turn on `--xla_tpu_enable_async_all_to_all=true`, else
       "reduce_scatter". On TPU v4 libtpu keeps reduce-scatters synchronous but runs those
       all-to-alls asynchronously, so a weight gradient's reduce-scatter hides under the

@@ -20,7 +20,7 @@ from ._local import finish, local_dot
 from ._local import accumulation_dtype as accumulation_dtype
 from ._local import reduction_dtype as reduction_dtype
 from .geometry import GemmGeometry
-from .scatter import (all_to_all_pays, reduce_scatter, scatter_pieces, split_dim,
+from .scatter import (pieces_contiguous, reduce_scatter, scatter_pieces, split_dim,
                       split_dimension_numbers)
 from .slicing import assemble_slices, pipeline_barrier, take_slices
 
@@ -120,7 +120,7 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs, rhs, *, moving_is_l
   # the all-to-all form where the scattered dim does not lead the partial: cut the moving
   # operand's dim into (n, extent / n) before the dot, so that the dot writes the partial
   # pieces-major (no relayout before the all-to-all; docs/tpu.md)
-  split = scatter == "all_to_all" and n > 1 and not all_to_all_pays(
+  split = scatter == "all_to_all" and n > 1 and not pieces_contiguous(
       _partial_shape(g, lhs, rhs), g.out_dim)
 
   def multiply(m_slice):

@@ -106,8 +106,8 @@ def test_a_strided_scatter_is_cut_before_the_matmul(ksplit):
                                                ((6144, 12288), 0, True),
                                                ((4, 2048, 49152), 2, False),
                                                ((1, 4, 8), 2, False)])
-def test_the_form_pays_only_where_the_scattered_dim_leads(shape, dim, pays):
-  assert scatter.all_to_all_pays(shape, dim) is pays
+def test_pieces_are_contiguous_only_where_the_scattered_dim_leads(shape, dim, pays):
+  assert scatter.pieces_contiguous(shape, dim) is pays
 
 
 @pytest.mark.parametrize("dim, summed_by", [(0, "add"), (1, "reduce_sum")])
