@@ -15,6 +15,8 @@ plans inside it.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import AxisType, NamedSharding
 
@@ -94,12 +96,22 @@ class Emitter:
       env[v] = x
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
+    folded = {}  # index of a reshape folded into its site -> the site's reshaped result
     for i, eqn in enumerate(jaxpr.eqns):
+      if i in folded:
+        env[eqn.outvars[0]] = folded.pop(i)
+        continue
       invals = [read(v) for v in eqn.invars]
       path = prefix + (i,)
       with rebind_context(eqn), eqn_context(eqn):
         if path in self.plans:
-          outs = [self.rewrite(self.plans[path], eqn, *invals)]
+          site = self.plans[path]
+          reshape = _heads_reshape(jaxpr, i, site, self.mesh.shape)
+          if reshape is not None:
+            j, heads = reshape
+            folded[j] = self.rewrite(site, eqn, *invals, heads=heads)
+            continue
+          outs = [self.rewrite(site, eqn, *invals)]
         elif any(prefix + ((i, p, b),) in self.live
                  for (p, b), _ in sub_jaxprs(eqn)):
           outs = _HANDLERS[higher_order(eqn).kind](self, eqn, invals, prefix + (i,))
@@ -111,7 +123,7 @@ class Emitter:
         env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
-  def rewrite(self, site, eqn, lhs, rhs):
+  def rewrite(self, site, eqn, lhs, rhs, heads=None):
     lhs_spec, rhs_spec, out_spec = site.specs
     if site.swapped:
       # planned as rhs . lhs, which is the transpose of the original result
@@ -119,9 +131,16 @@ class Emitter:
       nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
       nr = rhs.ndim - len(lc) - len(lb)
       lhs, rhs = rhs, lhs
+    if heads is not None:
+      # the result's last dim split into (heads, head size): split the rhs's free dim
+      # the same way, so that the local dot writes the 4-d result itself and XLA can
+      # lay it out for its consumer (as it does when it folds the reshape into the dot)
+      rhs = rhs.reshape(rhs.shape[:-1] + (rhs.shape[-1] // heads, heads))
+      rhs_spec = tuple(rhs_spec) + ((),)
+      out_spec = tuple(out_spec) + ((),) * (eqn.outvars[0].aval.ndim + 1 - len(out_spec))
     # Sites with the same plan and operand types (Q/K/V projections, a checkpointed
     # block's recomputation) share one traced shard_map: tracing is the pass's main cost.
-    key = self._plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs))
+    key = self._plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs), heads)
     traced = self._traced.get(key)
     if traced is None:
       options = {"scatter": site.reduce_scatter} if site.reduce_scatter else {}
@@ -173,6 +192,51 @@ class Emitter:
     # the original is kept in the value so that its id cannot be reused by another object
     self._bodies[key] = (closed_or_open, new)
     return new
+
+
+# The algorithms whose os body takes an rhs with its free dim split (`_heads_reshape`).
+_SPLITS_RHS = ("collective", "meshslice")
+
+
+def _heads_reshape(jaxpr, i, site, axis_sizes):
+  """(index, head size) of the reshape that follows site `i` when the site can write its
+  result already split; None otherwise.
+
+  The pattern is attention's projection: `(x @ wq).reshape(b, s, heads, head)`. XLA folds
+  such a reshape into the dot (the weight's free dim is split, the dot writes the 4-d
+  result) and lays the result out for the scores matmul; behind a shard_map boundary it
+  cannot, and libtpu relayouts q and k inside the scores fusion, which then no longer
+  fuses with the softmax. Measured on GPT-3 at 256 v4 chips (64x4, collective plan):
+  compute 146.5 -> 141.3 ms, libtpu peak 5.15 -> 4.94 GiB. So the site does the split
+  itself, when it is an os site of an algorithm that gathers whole operand slices, the
+  reshape is its result's only use, splits only the last dim (the rhs's only free dim),
+  and the heads divide over that dim's mesh axes.
+  """
+  eqn, geometry = jaxpr.eqns[i], site.geometry
+  if (site.swapped or site.algorithm not in _SPLITS_RHS
+      or getattr(geometry, "dataflow", None) != "os"):
+    return None
+  (_, rhs_contract), (_, rhs_batch) = geometry.dimension_numbers
+  rhs_ndim = eqn.invars[1].aval.ndim
+  if [d for d in range(rhs_ndim) if d not in (*rhs_contract, *rhs_batch)] != [rhs_ndim - 1]:
+    return None
+  out = eqn.outvars[0]
+  if _is_explicit(getattr(out.aval, "sharding", None)) or any(v is out for v in jaxpr.outvars):
+    return None
+  users = [j for j, e in enumerate(jaxpr.eqns[i + 1:], i + 1) if any(v is out for v in e.invars)]
+  if len(users) != 1 or jaxpr.eqns[users[0]].primitive.name != "reshape":
+    return None
+  reshape = jaxpr.eqns[users[0]]
+  old, new = tuple(out.aval.shape), tuple(reshape.params["new_sizes"])
+  if (reshape.params.get("dimensions") is not None or len(new) != len(old) + 1
+      or new[:-2] != old[:-1] or new[-2] * new[-1] != old[-1]):
+    return None
+  specs = site.specs
+  last = specs[2][len(old) - 1] if len(specs[2]) >= len(old) else ()
+  rhs_last = specs[1][rhs_ndim - 1] if len(specs[1]) >= rhs_ndim else ()
+  if tuple(last) != tuple(rhs_last) or new[-2] % math.prod(axis_sizes[a] for a in last):
+    return None
+  return users[0], new[-1]
 
 
 def _holds_gathers_back(site) -> bool:
