@@ -97,6 +97,8 @@ class Emitter:
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
     folded = {}  # index of a reshape folded into its site -> the site's reshaped result
+    users = _users(jaxpr) if any(prefix + (i,) in self.plans
+                                 for i in range(len(jaxpr.eqns))) else {}
     for i, eqn in enumerate(jaxpr.eqns):
       if i in folded:
         env[eqn.outvars[0]] = folded.pop(i)
@@ -106,10 +108,10 @@ class Emitter:
       with rebind_context(eqn), eqn_context(eqn):
         if path in self.plans:
           site = self.plans[path]
-          reshape = _heads_reshape(jaxpr, i, site, self.mesh.shape)
+          reshape = _heads_reshape(jaxpr, i, site, users, self.mesh.shape)
           if reshape is not None:
-            j, heads = reshape
-            folded[j] = self.rewrite(site, eqn, *invals, heads=heads)
+            j, head_size = reshape
+            folded[j] = self.rewrite(site, eqn, *invals, head_size=head_size)
             continue
           outs = [self.rewrite(site, eqn, *invals)]
         elif any(prefix + ((i, p, b),) in self.live
@@ -123,7 +125,7 @@ class Emitter:
         env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
-  def rewrite(self, site, eqn, lhs, rhs, heads=None):
+  def rewrite(self, site, eqn, lhs, rhs, head_size=None):
     lhs_spec, rhs_spec, out_spec = site.specs
     if site.swapped:
       # planned as rhs . lhs, which is the transpose of the original result
@@ -131,16 +133,16 @@ class Emitter:
       nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
       nr = rhs.ndim - len(lc) - len(lb)
       lhs, rhs = rhs, lhs
-    if heads is not None:
-      # the result's last dim split into (heads, head size): split the rhs's free dim
+    if head_size is not None:
+      # the result's last dim split into (heads, head_size): split the rhs's free dim
       # the same way, so that the local dot writes the 4-d result itself and XLA can
       # lay it out for its consumer (as it does when it folds the reshape into the dot)
-      rhs = rhs.reshape(rhs.shape[:-1] + (rhs.shape[-1] // heads, heads))
+      rhs = rhs.reshape(rhs.shape[:-1] + (rhs.shape[-1] // head_size, head_size))
       rhs_spec = tuple(rhs_spec) + ((),)
       out_spec = tuple(out_spec) + ((),) * (eqn.outvars[0].aval.ndim + 1 - len(out_spec))
     # Sites with the same plan and operand types (Q/K/V projections, a checkpointed
     # block's recomputation) share one traced shard_map: tracing is the pass's main cost.
-    key = self._plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs), heads)
+    key = self._plan_key(site) + (jax.typeof(lhs), jax.typeof(rhs), head_size)
     traced = self._traced.get(key)
     if traced is None:
       options = {"scatter": site.reduce_scatter} if site.reduce_scatter else {}
@@ -198,9 +200,19 @@ class Emitter:
 _SPLITS_RHS = ("collective", "meshslice")
 
 
-def _heads_reshape(jaxpr, i, site, axis_sizes):
+def _users(jaxpr) -> dict:
+  """{id of a variable: indices of the equations that read it}, once per jaxpr."""
+  users = {}
+  for j, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, Literal):
+        users.setdefault(id(v), []).append(j)
+  return users
+
+
+def _heads_reshape(jaxpr, i, site, users, axis_sizes):
   """(index, head size) of the reshape that follows site `i` when the site can write its
-  result already split; None otherwise.
+  result already split; None otherwise. `users`: `_users(jaxpr)`.
 
   The pattern is attention's projection: `(x @ wq).reshape(b, s, heads, head)`. XLA folds
   such a reshape into the dot (the weight's free dim is split, the dot writes the 4-d
@@ -223,10 +235,10 @@ def _heads_reshape(jaxpr, i, site, axis_sizes):
   out = eqn.outvars[0]
   if _is_explicit(getattr(out.aval, "sharding", None)) or any(v is out for v in jaxpr.outvars):
     return None
-  users = [j for j, e in enumerate(jaxpr.eqns[i + 1:], i + 1) if any(v is out for v in e.invars)]
-  if len(users) != 1 or jaxpr.eqns[users[0]].primitive.name != "reshape":
+  readers = users.get(id(out), [])
+  if len(readers) != 1 or jaxpr.eqns[readers[0]].primitive.name != "reshape":
     return None
-  reshape = jaxpr.eqns[users[0]]
+  reshape = jaxpr.eqns[readers[0]]
   old, new = tuple(out.aval.shape), tuple(reshape.params["new_sizes"])
   if (reshape.params.get("dimensions") is not None or len(new) != len(old) + 1
       or new[:-2] != old[:-1] or new[-2] * new[-1] != old[-1]):
@@ -236,7 +248,7 @@ def _heads_reshape(jaxpr, i, site, axis_sizes):
   rhs_last = specs[1][rhs_ndim - 1] if len(specs[1]) >= rhs_ndim else ()
   if tuple(last) != tuple(rhs_last) or new[-2] % math.prod(axis_sizes[a] for a in last):
     return None
-  return users[0], new[-1]
+  return readers[0], new[-1]
 
 
 def _holds_gathers_back(site) -> bool:
