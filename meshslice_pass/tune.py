@@ -20,7 +20,8 @@ the compiler's own program.
 Candidates ({name: transform options}, `CANDIDATES`): "xla" (always added), "default"
 (the default plan: its reduce-scatter form "auto"), "collective" (one reduce-scatter
 per site), "collective+all_to_all" (its reduce-scatters as an all-to-all and a local
-sum), "ksplit=2", "ksplit=4". The plan is a deterministic
+sum), "ksplit=2", "ksplit=4", and "collective+all_to_all, ls ksplit=2" (that plan with
+only its ls sites sliced, `SlicedSites`). The plan is a deterministic
 function of the program, the mesh, the candidates and the libtpu in use: nothing runs on
 a device, nothing is timed.
 """
@@ -34,6 +35,26 @@ if TYPE_CHECKING:
   from .aot import AotResult
   from .plan import Plan
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlicedSites:
+  """A candidate made from an earlier candidate's plan: its rewritten sites of one
+  dataflow sliced (`meshslice`, `ksplit`), every other site as that plan has it.
+
+  The per-site model cannot see which sites' gathers are left exposed in the compiled
+  schedule; slicing only those can pay where slicing every site does not. Measured on
+  GPT-3 at 256 v4 chips (64x4, one layer, async + all-to-all flags): the collective plan
+  166.9 ms, every site sliced in two 180.9 ms, only its six ls sites (the input
+  gradients that gather weights over the 64-chip axis) sliced in two 163.9 ms.
+
+  >>> SlicedSites("collective+all_to_all", "ls", 2).dataflow
+  'ls'
+  """
+
+  base: str
+  dataflow: str
+  ksplit: int
+
+
 CANDIDATES = {
     "default": {},
     # the form spelled out: "auto" would follow the libtpu flags
@@ -42,6 +63,7 @@ CANDIDATES = {
     "collective+all_to_all": {"algorithm": "collective", "reduce_scatter": "all_to_all"},
     "ksplit=2": {"algorithm": "meshslice", "ksplit": 2},
     "ksplit=4": {"algorithm": "meshslice", "ksplit": 4},
+    "collective+all_to_all, ls ksplit=2": SlicedSites("collective+all_to_all", "ls", 2),
 }
 
 
@@ -67,6 +89,16 @@ def _frozen(report):
   return plan
 
 
+def _sliced(report, plan, request: SlicedSites):
+  """`plan` with `report`'s rewritten `request.dataflow` sites sliced, where that
+  ksplit slices them exactly; None when no site is."""
+  sites = [s for s in report.rewritten if s.dataflow == request.dataflow
+           and s.geometry.valid_ksplit(request.ksplit)]
+  for site in sites:
+    plan = plan.edit(site.index, algorithm="meshslice", ksplit=request.ksplit)
+  return plan if sites else None
+
+
 def _decisions(plan) -> tuple:
   """What a frozen plan compiles: per site, left alone or (algorithm, dataflow, ksplit)."""
   return tuple((e["index"], None if e.get("rewrite") is False
@@ -89,7 +121,8 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   shardings on `mesh`). mesh: a concrete `jax.sharding.Mesh` of TPU devices (e.g.
   `aot.make_mesh("v4:8x8x4", (64, 4))`), or a shape tuple with `topology`, in which
   case the arguments' shardings are moved onto that topology's mesh (same axis names
-  and specs). candidates: {name: meshslice.transform options} (default `CANDIDATES`);
+  and specs). candidates: {name: meshslice.transform options, or a `SlicedSites` of an
+  earlier candidate} (default `CANDIDATES`);
   "xla" (every site left alone) is always compiled first and wins ties. profile: for
   planning and the simulator (default: the topology's generation). echo: a print-like
   callable for one line per candidate. results: a dict to receive {name: Candidate}.
@@ -127,19 +160,28 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   profile = profile or aot.GENERATIONS[generation].profile
   mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
   wanted = {"xla": None, **(CANDIDATES if candidates is None else candidates)}
-  out = {}
+  out, reports = {}, {}
   for name, options in wanted.items():
-    if options is not None and not isinstance(options, dict):
+    if isinstance(options, SlicedSites):
+      if options.base not in reports:
+        raise ValueError(f"tune: candidate {name!r} slices the plan of {options.base!r}, "
+                         "which must be an earlier candidate")
+      plan = _sliced(reports[options.base], out[options.base].plan, options)
+      if plan is None:                           # no site to slice: nothing new to compile
+        continue
+    elif options is not None and not isinstance(options, dict):
       raise ValueError(f"tune: candidate {name!r} must be a dict of meshslice.transform "
-                       f"options, got {options!r}")
-    with jax.set_mesh(mesh):
-      report = transform(step, **{"profile": profile, **(options or {})}).explain(*args)
-    plan = report.plan
-    if options is None:                          # XLA's own program: every site left alone
-      for site in report.sites:
-        plan = plan.edit(site.index, rewrite=False)
+                       f"options or a SlicedSites, got {options!r}")
     else:
-      plan = _frozen(report)
+      with jax.set_mesh(mesh):
+        report = reports[name] = transform(
+            step, **{"profile": profile, **(options or {})}).explain(*args)
+      plan = report.plan
+      if options is None:                        # XLA's own program: every site left alone
+        for site in report.sites:
+          plan = plan.edit(site.index, rewrite=False)
+      else:
+        plan = _frozen(report)
     same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
     if same is not None:
       out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled

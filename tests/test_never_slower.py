@@ -178,3 +178,31 @@ def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
     site, = meshslice.transform(f, plan=plan).explain(x, w).sites
   assert site.rewritten == (best.name == "ksplit=2")
   assert meshslice.tune(f, x, w, mesh=tpu, candidates={"ksplit=2": {"ksplit": 2}}) == plan
+
+
+def test_tune_slices_only_the_sites_of_one_dataflow():
+  # SlicedSites: an earlier candidate's plan with its sites of one dataflow sliced
+  pytest.importorskip("libtpu")
+  from meshslice import aot
+  tpu = aot.make_mesh("v4:2x2x2", (2, 4))
+  s = NamedSharding(tpu, P("x", "y"))
+  x = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=s)
+  f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+  with jax.set_mesh(tpu):
+    site, = meshslice.explain(f, algorithm="collective")(x, w).rewritten
+  results = {}
+  meshslice.tune(f, x, w, mesh=tpu, results=results, candidates={
+      "collective": {"algorithm": "collective"},
+      "sliced": meshslice.SlicedSites("collective", site.dataflow, 2),
+      "other flow": meshslice.SlicedSites("collective", "rs" if site.dataflow != "rs" else "ls", 2)})
+  # a dataflow with no site makes no candidate; the sliced one is its own program
+  assert list(results) == ["xla", "collective", "sliced"]
+  entry, = results["sliced"].plan.sites
+  assert (entry["algorithm"], entry["dataflow"], entry["ksplit"]) == ("meshslice", site.dataflow, 2)
+  assert results["collective"].plan.sites[0]["algorithm"] == "collective"
+  assert results["sliced"].result is not results["collective"].result
+  with pytest.raises(ValueError, match=r"^tune: candidate 'sliced' slices the plan of "
+                     r"'collective', which must be an earlier candidate$"):
+    meshslice.tune(f, x, w, mesh=tpu,
+                   candidates={"sliced": meshslice.SlicedSites("collective", "ls", 2)})
