@@ -153,15 +153,20 @@ def test_deterministic():
   assert one == two
 
 
-def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
-  # meshslice.tune: candidate plans compiled for v4:2x2x2, plain XLA always among them
+def _tune_problem():
+  """One 2D-sharded matmul with abstract inputs on a v4:2x2x2 mesh (2x4)."""
   pytest.importorskip("libtpu")
   from meshslice import aot
   tpu = aot.make_mesh("v4:2x2x2", (2, 4))
   s = NamedSharding(tpu, P("x", "y"))
   x = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=s)
   w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=s)
-  f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+  return tpu, jax.jit(lambda a, b: jnp.tanh(a @ b)), x, w
+
+
+def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
+  # meshslice.tune: candidate plans compiled for v4:2x2x2, plain XLA always among them
+  tpu, f, x, w = _tune_problem()
   results, lines = {}, []
   plan = meshslice.tune(f, x, w, mesh=tpu, results=results, echo=lines.append,
                         candidates={"default": {}, "ksplit=2": {"ksplit": 2}})
@@ -182,20 +187,15 @@ def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
 
 def test_tune_slices_only_the_sites_of_one_dataflow():
   # SlicedSites: an earlier candidate's plan with its sites of one dataflow sliced
-  pytest.importorskip("libtpu")
-  from meshslice import aot
-  tpu = aot.make_mesh("v4:2x2x2", (2, 4))
-  s = NamedSharding(tpu, P("x", "y"))
-  x = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=s)
-  w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=s)
-  f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+  tpu, f, x, w = _tune_problem()
   with jax.set_mesh(tpu):
     site, = meshslice.explain(f, algorithm="collective")(x, w).rewritten
+  other = "rs" if site.dataflow != "rs" else "ls"
   results = {}
   meshslice.tune(f, x, w, mesh=tpu, results=results, candidates={
       "collective": {"algorithm": "collective"},
       "sliced": meshslice.SlicedSites("collective", site.dataflow, 2),
-      "other flow": meshslice.SlicedSites("collective", "rs" if site.dataflow != "rs" else "ls", 2)})
+      "other flow": meshslice.SlicedSites("collective", other, 2)})
   # a dataflow with no site makes no candidate; the sliced one is its own program
   assert list(results) == ["xla", "collective", "sliced"]
   entry, = results["sliced"].plan.sites
