@@ -208,7 +208,9 @@ def parse(text: str) -> Module:
       if header.group(1):
         entry = current
       continue
-    if current is not None and line.strip() == "}":
+    # a computation ends at "}"; one run on another execution thread (SparseCore
+    # collective offload) at '}, execution_thread="sparsecore"'
+    if current is not None and (line.strip() == "}" or line.startswith("},")):
       comps[current] = _computation(current, current == entry, instrs)
       current = None
       continue

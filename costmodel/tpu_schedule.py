@@ -27,7 +27,12 @@ What an instruction is (`CompiledOp.kind`):
                `-done` (and the other kinds), `async-start` / `async-done` around a
                collective, and libtpu's async collective fusions (`fusion` instructions
                named `async-collective-start` / `-done` whose computations end in the
-               `AsyncCollectiveStart` / `AsyncCollectiveDone` custom calls). What is
+               `AsyncCollectiveStart` / `AsyncCollectiveDone` custom calls), and
+               collectives offloaded to the SparseCore (v5p, v6e under
+               `--xla_tpu_enable_sparse_core_collective_offload_*`): `call-start` /
+               `call-done` to a computation on the "sparsecore" execution thread whose
+               root is the collective (libtpu 0.0.50 issues it with a `call-update`
+               after an operand-less `call-start`; the update is the start). What is
                scheduled between a start and its done runs while the collective moves.
   dma          async memory moves with no compute estimate (copy-start/-done,
                slice-start/-done): not modelled
@@ -222,7 +227,7 @@ def _strategy(attrs: str) -> tuple[str, int]:
   """
   config = _ALGO.search(attrs)
   if not config:
-    return "", 0
+    return _offload_strategy(attrs)
   body = config.group(1)
   emitter = re.search(r'"emitter"\s*:\s*"([^"]*)"', body)
   strategy = re.search(r'"strategy"\s*:\s*"([^"]*)"', body)
@@ -242,6 +247,37 @@ def _strategy(attrs: str) -> tuple[str, int]:
   if emitter and not kind and "Ring" in emitter.group(1):
     return name, 1                   # e.g. SinglePhaseRingSumEmitter
   return name, 0
+
+
+_OFFLOAD = re.compile(r'"ici_strategy_config"\s*:\s*\{"color_strategies"\s*:\s*\[(.{0,4000})')
+
+
+def _offload_strategy(attrs: str) -> tuple[str, int]:
+  """(name, torus dims driven) of a SparseCore-offloaded collective, from its
+  `"collective_offload_config":{..."ici_strategy_config":{"color_strategies":[{
+  "phase_rings":[{"ring_type":"ICI_RING_TYPE_UNIDIR_CW","core_count":"4",...}]},...]}`
+  (measured on libtpu 0.0.42.1 and 0.0.50.1, v5p): one color per ring direction, one
+  phase ring per torus dim it crosses. A ring names its size (`"core_count"`, explicit
+  rings) or its torus dim (`"ring_dim":"ICI_RING_DIM_X_MESH"`, implicit rings). Two
+  one-phase colors (CW and CCW) are one bidirectional ring: 1 dim, named
+  "SparseCoreOffload{colors:2 phases:1 cores:4}" (or "... dims:X_MESH"). ("", 0)
+  without such a config."""
+  config = _OFFLOAD.search(attrs)
+  if not config:
+    return "", 0
+  colors = re.findall(r'\{"phase_rings"\s*:\s*\[(.*?)\]\}', config.group(1))
+  rings = [re.findall(r'\{"ring_type"[^{}]*\}', c) for c in colors]
+  rings = [r for r in rings if r]
+  if not rings:
+    return "", 0
+  dims = max(len(r) for r in rings)
+  cores = [re.search(r'"core_count"\s*:\s*"(\d+)"', ring) for ring in rings[0]]
+  if all(cores):
+    where = "cores:" + " ".join(c.group(1) for c in cores)
+  else:
+    named = [re.search(r'"ring_dim"\s*:\s*"ICI_RING_DIM_([A-Z_]+)"', ring) for ring in rings[0]]
+    where = "dims:" + " ".join(m.group(1) if m else "?" for m in named)
+  return f"SparseCoreOffload{{colors:{len(rings)} phases:{dims} {where}}}", dims
 
 
 def _strategy_cores(attrs: str) -> tuple[int, ...]:
@@ -508,6 +544,10 @@ class _Reader:
         return _renamed(self.collective_op(c, "start" if opcode == "async-start" else "done",
                                   c.opcode, result_type=c.type_text), instr)
       return CompiledOp(kind="other", **base)
+    if opcode in ("call-start", "call-update", "call-done"):
+      offloaded = self._offloaded_collective(comp, instr)
+      if offloaded is not None:
+        return offloaded
     if opcode in _DMA:
       return CompiledOp(kind="dma", **base)
     if opcode in _FREE:
@@ -542,6 +582,32 @@ class _Reader:
       if called and self._is_relayout_fusion(comp, instr, called[0]):
         return CompiledOp(kind="copy", relayout=True, **base)
     return CompiledOp(kind="other", **base)
+
+  def _offloaded_collective(self, comp: Computation, instr: Instr) -> CompiledOp | None:
+    """A collective libtpu runs on another execution thread (SparseCore offload,
+    `--xla_tpu_enable_sparse_core_collective_offload_*`), `to_apply=` a computation whose
+    root is the collective. libtpu 0.0.42.1 writes `call-start(input, token)` then
+    `call-done(start)`; 0.0.50.1 writes `call-start()` (no operands), then
+    `call-update(start, input)`, which hands over the data, then `call-done(update)`.
+    The instruction that hands over the data (a call-start with operands, or the update)
+    is the collective's start, the done its done; a call-start without operands issues
+    nothing. None when the called computation holds no collective (the call is read as
+    any other op)."""
+    start = instr
+    while start is not None and start.opcode != "call-start" and start.operands:
+      start = comp.instrs.get(start.operands[0])
+    if start is None or start.opcode != "call-start":
+      return None
+    called = start.called().get("to_apply", []) + start.called().get("calls", [])
+    inner = self.contents(called[0])["collectives"] if called else []
+    if not inner:
+      return None
+    if instr.opcode == "call-start" and not instr.operands:
+      return CompiledOp(name=instr.name, opcode=instr.opcode, kind="other",
+                        bytes=nbytes(instr.type_text))
+    c = inner[0]
+    kind = "done" if instr.opcode == "call-done" else "start"
+    return _renamed(self.collective_op(c, kind, c.opcode, result_type=c.type_text), instr)
 
   def _is_continuation(self, comp: Computation, instr: Instr) -> bool:
     """A fusion that continues an async collective fusion (libtpu's

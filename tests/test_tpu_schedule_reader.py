@@ -449,3 +449,133 @@ def test_aot_scheduler_totals_and_libtpu_peak_beside_the_simulation():
   # (on this small program libtpu's is the larger: 18.9 MB against 12.6 MB)
   assert row["libtpu_peak_bytes"] > 0 and row["peak_bytes"] > 0
   assert row["step_s"] > 0
+
+
+# ------------------------------------------------- 5. SparseCore collective offload
+
+# v5p and v6e with --xla_tpu_enable_sparse_core_collective_offload_all_gather=true: the
+# all-gather runs on the SparseCore, in a computation on another execution thread
+# (closed by '}, execution_thread="sparsecore"'), called asynchronously. Trimmed from a
+# v5p:2x2x1 (2x2) compile; the collective's backend config is verbatim but for its
+# constant literals. The dot fusion between start and done runs under the gather.
+_SC_AG_CONFIG = ('{"flag_configs":[],"barrier_config":{"barrier_type":"CUSTOM","id":"-1"},'
+                 '"device_type":"DEVICE_TYPE_SPARSECORE","collective_offload_config":{'
+                 '"all_gather_offload_config":{"use_single_sparse_core":true,'
+                 '"ici_strategy_config":{"color_strategies":[{"phase_rings":[{"ring_type":'
+                 '"ICI_RING_TYPE_UNIDIR_CW","core_count":"2","ring_neighbor":'
+                 '"ICI_RING_NEIGHBOR_EXPLICIT","ring_neighbor_table_offset":"0","barrier_id":'
+                 '"0","has_reordering_map":false,"explicit_strategy_ring_dim":'
+                 '"ICI_RING_DIM_Y_MESH","partner_transfers_outside_the_ring":false}]},'
+                 '{"phase_rings":[{"ring_type":"ICI_RING_TYPE_UNIDIR_CCW","core_count":"2",'
+                 '"ring_neighbor":"ICI_RING_NEIGHBOR_EXPLICIT","ring_neighbor_table_offset":'
+                 '"0","barrier_id":"0","has_reordering_map":false,"explicit_strategy_ring_dim":'
+                 '"ICI_RING_DIM_Y_MESH","partner_transfers_outside_the_ring":false}]}]},'
+                 '"physical_core_indices":[0],"tensor_split_factor":1,'
+                 '"use_n_dimension_strategy":true},"is_conditional_collective_offload":false,'
+                 '"custom_call_async_collective_config":""},"used_scoped_memory_configs":[]}')
+_SC_CALLED = """
+%called_computation (param_0.20: bf16[1024,512]) -> bf16[1024,1024] {
+  %param_0.20 = bf16[1024,512]{L} parameter(0)
+  ROOT %all-gather.3 = bf16[1024,1024]{L} all-gather(%param_0.20), channel_id=1, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={1}, use_global_device_ids=true, backend_config=CONFIG
+}, execution_thread="sparsecore"
+
+%fused_dot (a: bf16[1024,1024], b: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = bf16[1024,1024]{L} parameter(0)
+  %b = bf16[1024,1024]{L} parameter(1)
+  ROOT %d = bf16[1024,1024]{L} convolution(%a, %b), dim_labels=bf_io->bf
+}""".replace("CONFIG", _SC_AG_CONFIG)  # noqa: E501
+_SC_DOT = ('  %fusion.6 = bf16[1024,1024]{L} fusion(%p1, %p1), kind=kOutput, calls=%fused_dot, '
+           'backend_config={"flag_configs":[],"window_config":{"estimated_cycles":"CYCLES"}}')
+# libtpu 0.0.42.1: call-start(input, token) ... call-done(start)
+_SC_OLD = """
+ENTRY %main (p0: bf16[1024,512], p1: bf16[1024,1024]) -> (bf16[1024,1024], bf16[1024,1024]) {
+  %p0 = bf16[1024,512]{L} parameter(0)
+  %p1 = bf16[1024,1024]{L} parameter(1)
+  %prepare_start = s32[]{:S(2)} custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %prepare_done = token[] custom-call(%prepare_start), custom_call_target="PrepareAsyncCallDone"
+  %all-gather.4.call-start = ((bf16[1024,512]{L}, token[]), bf16[1024,1024]{L}) call-start(%p0, %prepare_done), async_execution_thread="sparsecore", to_apply=%called_computation
+DOT
+  %all-gather.4.call-done = bf16[1024,1024]{L} call-done(%all-gather.4.call-start)
+  ROOT %t = (bf16[1024,1024]{L}, bf16[1024,1024]{L}) tuple(%all-gather.4.call-done, %fusion.6)
+}"""  # noqa: E501
+# libtpu 0.0.50.1: call-start() without operands, call-update(start, input), call-done(update)
+_SC_NEW = """
+ENTRY %main (p0: bf16[1024,512], p1: bf16[1024,1024]) -> (bf16[1024,1024], bf16[1024,1024]) {
+  %p0 = bf16[1024,512]{L} parameter(0)
+  %p1 = bf16[1024,1024]{L} parameter(1)
+  %all-gather.4.call-start = ((), (), (s32[1]{0:T(128)S(2)})) call-start(), async_execution_thread="sparsecore", to_apply=%called_computation
+  %all-gather.4.call-update = ((bf16[1024,512]{L}), bf16[1024,1024]{L}) call-update(%all-gather.4.call-start, %p0)
+DOT
+  %all-gather.4.call-done = bf16[1024,1024]{L} call-done(%all-gather.4.call-update)
+  ROOT %t = (bf16[1024,1024]{L}, bf16[1024,1024]{L}) tuple(%all-gather.4.call-done, %fusion.6)
+}"""  # noqa: E501
+
+
+def _sc_module(entry: str, cycles: int) -> str:
+  return _module(entry.replace("DOT", _SC_DOT.replace("CYCLES", str(cycles))), _SC_CALLED,
+                 partitions=4)
+
+
+def test_sparse_core_computation_ends_at_its_execution_thread_line():
+  module = hlo_text.parse(_sc_module(_SC_NEW, 1000))
+  assert {"called_computation", "fused_dot", "main"} <= set(module.computations)
+  called = module.computations["called_computation"]
+  assert [i.opcode for i in called.instrs.values()] == ["parameter", "all-gather"]
+  assert module.computations["fused_dot"].instrs["d"].opcode == "convolution"
+
+
+@pytest.mark.parametrize("entry, start", [(_SC_OLD, "all-gather.4.call-start"),
+                                          (_SC_NEW, "all-gather.4.call-update")],
+                         ids=["libtpu-0.0.42", "libtpu-0.0.50"])
+def test_sparse_core_offloaded_gather_is_an_async_pair(entry, start):
+  """Before: call-start / call-done were "other" ops and the gather was not seen at all
+  (a v5p program under the offload flags simulated with no collective time)."""
+  text = _sc_module(entry, 1000)
+  ops = {op.name: op for op in ts.read_schedule(text).expanded()}
+  pair = ops[start], ops["all-gather.4.call-done"]
+  assert [(op.kind, op.collective) for op in pair] == [("start", "all-gather"),
+                                                       ("done", "all-gather")]
+  # the gather's group (partitions 0 and 2 of a 2x2 mesh: the row axis, dim 0), its
+  # result bytes and the ring libtpu chose: one bidirectional ring of 2 cores
+  op = pair[0]
+  assert (op.group, op.link, op.bytes) == ((0, 2), 0, 2 * 2 ** 20)
+  assert (op.emitter, op.ring_dims) == ("SparseCoreOffload{colors:2 phases:1 cores:2}", 1)
+  assert op.between_cycles == 1000
+  if entry is _SC_NEW:          # the operand-less start issues nothing
+    assert ops["all-gather.4.call-start"].kind == "other"
+  summary = ts.summarize(text)
+  assert summary.collective_count == {"all-gather": 1}
+  assert (summary.sync_collectives, summary.async_collectives) == (0, 1)
+
+
+@pytest.mark.parametrize("entry", [_SC_OLD, _SC_NEW], ids=["libtpu-0.0.42", "libtpu-0.0.50"])
+def test_sparse_core_gather_overlaps_the_dot_between(entry):
+  v5p = load_profile("tpu-v5p")
+  op, = [op for op in ts.read_schedule(_sc_module(entry, 1000)).expanded()
+         if op.kind == "start"]
+  gather = ts.collective_seconds(op, v5p)
+  clock = ts.simulate(_sc_module(entry, 1000), v5p).clock_hz
+  for dot_s in (gather / 2, gather * 2):          # a dot shorter, then longer than it
+    sim = ts.simulate(_sc_module(entry, round(dot_s * clock)), v5p)
+    assert sim.step_s == pytest.approx(max(gather, dot_s), rel=1e-3)
+    assert sim.exposed_s == pytest.approx(max(0.0, gather - dot_s), rel=1e-3, abs=1e-9)
+    assert sim.sync_collective_s == 0
+
+
+def test_sparse_core_strategy_names_and_torus_dims():
+  assert ts._strategy(_SC_AG_CONFIG) == ("SparseCoreOffload{colors:2 phases:1 cores:2}", 1)
+  # an all-reduce's implicit rings name their torus dim instead of a size
+  implicit = ('{"collective_offload_config":{"all_reduce_offload_config":{'
+              '"ici_strategy_config":{"color_strategies":[{"phase_rings":[{"ring_type":'
+              '"ICI_RING_TYPE_UNIDIR_CW","ring_neighbor":"ICI_RING_NEIGHBOR_IMPLICIT",'
+              '"ring_dim":"ICI_RING_DIM_X_MESH","barrier_id":"1"}]},{"phase_rings":[{'
+              '"ring_type":"ICI_RING_TYPE_UNIDIR_CCW","ring_neighbor":'
+              '"ICI_RING_NEIGHBOR_IMPLICIT","ring_dim":"ICI_RING_DIM_X_MESH","barrier_id":'
+              '"1"}]}]}}}}')
+  assert ts._strategy(implicit) == ("SparseCoreOffload{colors:2 phases:1 dims:X_MESH}", 1)
+  # a 2D gather (v5p:8x8x4 as 64x4, the 64-chip axis): 4 colors of two phase rings
+  ring = '{"ring_type":"ICI_RING_TYPE_UNIDIR_CW","core_count":"8","barrier_id":"0"}'
+  color = '{"phase_rings":[' + ring + "," + ring + "]}"
+  two_d = ('{"collective_offload_config":{"all_gather_offload_config":{'
+           '"ici_strategy_config":{"color_strategies":[' + ",".join([color] * 4) + "]}}}}")
+  assert ts._strategy(two_d) == ("SparseCoreOffload{colors:4 phases:2 cores:8 8}", 2)
