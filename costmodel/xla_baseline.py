@@ -361,6 +361,41 @@ def windowed_parts(problem: GemmProblem, dataflow: str, profile: HardwareProfile
   return other_s, dot, out, ring_s
 
 
+def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
+                      terms: CompilerTerms | None, offloaded) -> float:
+  """XLA's dense program for the site with the collectives of `offloaded` (kinds:
+  "all_gather", "reduce_scatter", "all_reduce") run on the SparseCore (v5p / v6e under
+  `--xla_tpu_enable_sparse_core_collective_offload_*`): those run beside the compute on
+  their links, the others stay exposed:
+
+      max(compute, offloaded on the row link, offloaded on the column link) + the rest
+
+  The dense program's compute is priced as `compiled_seconds` prices it (dot terms,
+  extra_scale); without terms, as the analytic model does. Whole-program, not per
+  stage: XLA's scheduler overlaps a site's collectives with other sites' compute
+  (measured, GPT-3 on v5p 64x4 under the offload flags: 10.6 ms of 97.3 ms exposed,
+  docs/benchmarks.md), so this is the site's limit, and a rewrite cannot be predicted
+  below it."""
+  sched = schedule(problem, "collective", dataflow, 1, profile)
+  flops = problem.flops / (problem.rows * problem.cols)
+  compute = links_row = links_col = exposed = 0.0
+  for stage in sched.stages:
+    for op in stage.ops:
+      seconds = op.seconds * stage.repeat
+      if op.stream == "compute":
+        if terms is not None:
+          seconds = stage.repeat * (dot_seconds(terms, profile, flops) if op.name == "matmul"
+                                    else op.seconds * terms.extra_scale[dataflow])
+        compute += seconds
+      elif not any(op.name.startswith(kind) for kind in offloaded):
+        exposed += seconds
+      elif op.stream == "row":
+        links_row += seconds
+      else:
+        links_col += seconds
+  return max(compute, links_row, links_col) + exposed
+
+
 def xla_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
                 terms: CompilerTerms | None, baseline: str = "windowed") -> XlaProgram:
   """XLA's own program for the site (module docstring). baseline: "windowed" (windowed

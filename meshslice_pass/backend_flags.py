@@ -13,11 +13,17 @@ docs/tpu.md "Flags per generation"):
     v5e            CONTINUATION_FUSION_FLAGS: MaxText's CF_FOR_ALL_GATHER group, async
                    collective fusion including all-gather continuation fusion (libtpu
                    fuses so on v5e by default)
-    v4, v5p, v6e   SAFE_ASYNC_FLAGS: the same group with all-gather continuation fusion
+    v4             SAFE_ASYNC_FLAGS: the same group with all-gather continuation fusion
                    off. libtpu 0.0.50.1 refuses continuation fusion for all-gathers on
-                   these chips ("not supported/recommended on platforms other than TPU
-                   v5e ... incorrect results, hang, SDC"); --xla_enable_async_all_gather
-                   gives all-gather-start/-done pairs instead (on v4)
+                   v4, v5p and v6e ("not supported/recommended on platforms other than
+                   TPU v5e ... incorrect results, hang, SDC"); --xla_enable_async_all_gather
+                   gives all-gather-start/-done pairs instead
+    v5p, v6e       SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS: the chips' SparseCores
+                   run all-gathers, reduce-scatters and all-reduces beside the
+                   TensorCore's compute (call-start / call-done in the compiled program).
+                   Without them libtpu keeps most collectives synchronous there; with
+                   them XLA's own dense program hides most of its communication
+                   (docs/benchmarks.md), which the planner prices (`sparse_core_offload`)
 
 Example:
   >>> tpu_overlap_flags("v4")[-1], tpu_overlap_flags("v5e") == CONTINUATION_FUSION_FLAGS
@@ -51,6 +57,17 @@ SAFE_ASYNC_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true")
+# SparseCore collective offload (v5p, v6e; MaxText sets it on v6e): the collectives run
+# on the SparseCores, asynchronously. Accepted by libtpu 0.0.42.1 and 0.0.50.1 on every
+# generation; v4 and v5e have no SparseCore for it and compile as without.
+SPARSE_CORE_OFFLOAD_FLAGS = (
+    "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter=true")
+SPARSE_CORE_GENERATIONS = ("v5p", "v6e")
+_OFFLOAD_KEY = "--xla_tpu_enable_sparse_core_collective_offload_"
 # XLA's windowed einsum (collective matmul) off: the "dense" program.
 DENSE_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
                "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
@@ -63,8 +80,9 @@ ASYNC_ALL_TO_ALL_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 _UNSAFE_OFF_V5E = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
 
 # Async collective flags to compile and run with, per TPU generation (module docstring).
-TPU_ASYNC_FLAGS = {"v4": SAFE_ASYNC_FLAGS, "v5p": SAFE_ASYNC_FLAGS,
-                   "v5e": CONTINUATION_FUSION_FLAGS, "v6e": SAFE_ASYNC_FLAGS}
+TPU_ASYNC_FLAGS = {"v4": SAFE_ASYNC_FLAGS, "v5p": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS,
+                   "v5e": CONTINUATION_FUSION_FLAGS,
+                   "v6e": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS}
 # A TPU of unknown generation gets the flags that are safe everywhere they were tried.
 TPU_OVERLAP_FLAGS = SAFE_ASYNC_FLAGS
 GPU_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
@@ -137,6 +155,36 @@ def async_all_to_all(flags) -> bool:
     (True, False)
   """
   return _last_value(flags, ASYNC_ALL_TO_ALL_FLAGS[0].split("=", 1)[0]) in ("true", "1")
+
+
+def sparse_core_offload(flags, generation: str | None) -> frozenset:
+  """The collectives `flags` (a LIBTPU_INIT_ARGS string or a sequence) offload to the
+  SparseCore on `generation`: a subset of {"all_gather", "reduce_scatter",
+  "all_reduce"}; empty off v5p / v6e, where libtpu ignores the flags.
+
+  Example:
+    >>> sorted(sparse_core_offload(SPARSE_CORE_OFFLOAD_FLAGS, "v5p"))
+    ['all_gather', 'all_reduce', 'reduce_scatter']
+    >>> sparse_core_offload(SPARSE_CORE_OFFLOAD_FLAGS, "v4")
+    frozenset()
+  """
+  if generation not in SPARSE_CORE_GENERATIONS:
+    return frozenset()
+  return frozenset(kind for kind in ("all_gather", "reduce_scatter", "all_reduce")
+                   if _last_value(flags, _OFFLOAD_KEY + kind) in ("true", "1"))
+
+
+def profile_generation(profile_name: str) -> str | None:
+  """The TPU generation of a cost-model profile's name ("tpu-v5p", or "tpu-v5p@64x4"
+  as `profile_for_mesh` derives it), or None for a profile of no TPU.
+
+  Example:
+    >>> profile_generation("tpu-v5p@64x4"), profile_generation("cpu")
+    ('v5p', None)
+  """
+  head = str(profile_name).split("@", 1)[0]
+  generation = head[len("tpu-"):] if head.startswith("tpu-") else None
+  return generation if generation in TPU_ASYNC_FLAGS else None
 
 
 def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tuple:

@@ -136,12 +136,15 @@ def predict(problem, profile, algorithm, dataflow, ksplit, terms=None) -> float:
 
 
 def xla_program(problem, profile, dataflow, baseline, terms,
-                windowed_off=frozenset()) -> xla_baseline.XlaProgram:
+                windowed_off=frozenset(), offloaded=frozenset()) -> xla_baseline.XlaProgram:
   """XLA's own program for the site under `baseline` ("windowed" or "dense"). Windowed
   einsum loops an all-gather or a reduce-scatter, never an all-reduce, so an all-reduce
   site gets XLA's dense program either way; nor does it fire for a collective the
   user's libtpu flags turn it off for (`windowed_off`: a subset of {"all_gather",
   "reduce_scatter"}, `backend_flags.windowed_einsum_off`), which XLA then runs dense.
+  When the flags offload collectives to the SparseCore (`offloaded`, v5p / v6e:
+  `backend_flags.sparse_core_offload`), XLA's dense program runs the offloaded ones
+  beside its compute (`xla_baseline.offloaded_seconds`).
 
   Example:
     >>> from meshslice.costmodel import GemmProblem, load_profile
@@ -159,7 +162,15 @@ def xla_program(problem, profile, dataflow, baseline, terms,
     (kind, *_), _ = xla_baseline.windowed_movement(problem, dataflow)
     if kind in windowed_off:
       baseline = "dense"
-  return xla_baseline.xla_seconds(problem, dataflow, profile, terms, baseline)
+  xla = xla_baseline.xla_seconds(problem, dataflow, profile, terms, baseline)
+  if offloaded and not xla.windowed:
+    seconds = xla_baseline.offloaded_seconds(problem, dataflow, profile, terms, offloaded)
+    names = [k.replace("_", "-") + "s" for k in sorted(offloaded)]
+    kinds = " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+    return xla_baseline.XlaProgram(
+        seconds=min(seconds, xla.seconds), windowed=False,
+        description=f"dense program, {kinds} offloaded to the SparseCore")
+  return xla
 
 
 # A rewrite is emitted only when it is predicted faster than XLA's own program for the

@@ -348,9 +348,12 @@ def _versus_xla(best, site, ctx, request, base):
   profile = _profile(ctx, site.geometry)
   flow = costing.model_dataflow(site.dataflow)
   # XLA's program under the flags this process compiles with (libtpu reads them once)
-  off = backend_flags.windowed_einsum_off(backend_flags.flags_in_effect())
+  flags = backend_flags.flags_in_effect()
+  offloaded = backend_flags.sparse_core_offload(
+      flags, backend_flags.profile_generation(profile.name))
   xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms,
-                            windowed_off=off)
+                            windowed_off=backend_flags.windowed_einsum_off(flags),
+                            offloaded=offloaded)
   collective = best.algorithm == "collective" or best.ksplit == 1
   too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
                                                           profile)

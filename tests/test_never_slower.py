@@ -206,3 +206,78 @@ def test_tune_slices_only_the_sites_of_one_dataflow():
                      r"'collective', which must be an earlier candidate$"):
     meshslice.tune(f, x, w, mesh=tpu,
                    candidates={"sliced": meshslice.SlicedSites("collective", "ls", 2)})
+
+
+def _compute_bound_site():
+  am = jax.sharding.AbstractMesh((8, 8), ("x", "y"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  s = NamedSharding(am, P("x", "y"))
+  x = jax.ShapeDtypeStruct((32768, 32768), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((32768, 32768), jnp.bfloat16, sharding=s)
+  return jax.jit(lambda a, b: a @ b), x, w
+
+
+def test_sparse_core_offload_prices_xla_with_its_collectives_hidden(monkeypatch):
+  # v5p / v6e under the SparseCore offload flags: XLA's dense program runs its
+  # all-gathers and reduce-scatters beside the dot (measured: docs/benchmarks.md), so a
+  # sliced rewrite that beats the synchronous dense program is left to XLA there
+  f, x, w = _compute_bound_site()
+  dense_async = backend_flags.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(dense_async))
+  site, = meshslice.explain(f, profile="tpu-v5p", relayout=False)(x, w).sites
+  assert (site.rewritten, site.algorithm, site.ksplit) == (True, "meshslice", 4)
+  assert "XLA's own program (dense program): " in site.note
+  offload = backend_flags.DENSE_FLAGS + backend_flags.tpu_overlap_flags("v5p")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(offload))
+  for profile in ("tpu-v5p", "tpu-v6e"):
+    site, = meshslice.explain(f, profile=profile, relayout=False)(x, w).sites
+    assert not site.rewritten, (profile, site.note)
+    assert site.reason.startswith("left to XLA: the best rewrite (meshslice os S=")
+    assert ("XLA's own program (dense program, all-gathers, all-reduces and "
+            "reduce-scatters offloaded to the SparseCore) ") in site.reason
+    rewrite_us, xla_us = map(float, re.findall(r"([\d.]+) us", site.reason))
+    assert xla_us < rewrite_us
+  # v4 has no SparseCore for it: the same flags leave the sliced rewrite in place
+  site, = meshslice.explain(f, profile="tpu-v4", relayout=False)(x, w).sites
+  assert site.rewritten and site.ksplit > 1
+
+
+def test_offloaded_dense_program_is_the_sites_overlap_limit():
+  from meshslice.costmodel import GemmProblem, load_profile, schedule
+  v5p = load_profile("tpu-v5p")
+  p = GemmProblem(m=65536, n=8192, k=8192, rows=8, cols=8)
+  for flow in ("os", "ls", "rs"):
+    ops = [op for st in schedule(p, "collective", flow, 1, v5p).stages for op in st.ops]
+    time = lambda stream: sum(op.seconds for op in ops if op.stream == stream)
+    every = {"all_gather", "reduce_scatter", "all_reduce"}
+    assert xla_baseline.offloaded_seconds(p, flow, v5p, None, every) == pytest.approx(
+        max(time("compute"), time("row"), time("col")))
+    # only the all-gathers offloaded: the reduce-scatter stays exposed
+    scatter = sum(op.seconds for op in ops if op.name.startswith("reduce_scatter"))
+    gathers = {s: sum(op.seconds for op in ops if op.stream == s
+                      and op.name.startswith("all_gather")) for s in ("row", "col")}
+    assert xla_baseline.offloaded_seconds(p, flow, v5p, None, {"all_gather"}) == pytest.approx(
+        max(time("compute"), *gathers.values()) + scatter)
+    assert xla_baseline.offloaded_seconds(p, flow, v5p, None, ()) == pytest.approx(
+        sum(op.seconds for op in ops))
+
+
+def test_sparse_core_offload_flags_are_read_per_generation_and_collective():
+  read = backend_flags.sparse_core_offload
+  every = {"all_gather", "reduce_scatter", "all_reduce"}
+  assert read(backend_flags.SPARSE_CORE_OFFLOAD_FLAGS, "v5p") == every
+  assert read(" ".join(backend_flags.SPARSE_CORE_OFFLOAD_FLAGS), "v6e") == every
+  for generation in ("v4", "v5e", None):
+    assert read(backend_flags.SPARSE_CORE_OFFLOAD_FLAGS, generation) == frozenset()
+  assert read("--xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
+              "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=false",
+              "v5p") == {"all_gather"}
+  assert read("", "v5p") == frozenset()
+  assert backend_flags.profile_generation("tpu-v6e@16x16") == "v6e"
+  assert backend_flags.profile_generation("h100") is None
+  # the recommended flags on v5p / v6e offload; v4's and v5e's do not mention it
+  for generation in ("v5p", "v6e"):
+    flags = backend_flags.tpu_overlap_flags(generation)
+    assert flags == backend_flags.SAFE_ASYNC_FLAGS + backend_flags.SPARSE_CORE_OFFLOAD_FLAGS
+  for generation in ("v4", "v5e"):
+    assert not any("sparse_core" in f for f in backend_flags.tpu_overlap_flags(generation))

@@ -54,7 +54,8 @@ def test_old_names_still_work_and_backend_flags_does_not_import_aot():
 def test_presets_per_generation():
   assert aot.preset_flags("async", "v4") == backend_flags.SAFE_ASYNC_FLAGS
   assert aot.preset_flags("async", "v5e") == aot.ASYNC_FLAGS
-  assert aot.preset_flags("dense,async", "v6e") == aot.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS
+  assert aot.preset_flags("dense,async", "v6e") == (
+      aot.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS + backend_flags.SPARSE_CORE_OFFLOAD_FLAGS)
   assert aot.preset_flags("fusion", "v4") == aot.ASYNC_FLAGS           # asked for by name
   assert aot.preset_flags("", "v4") == ()
   with pytest.raises(ValueError, match="unknown libtpu flag preset 'fast'; known: default"):
@@ -63,7 +64,8 @@ def test_presets_per_generation():
   assert aot.variant_flags("dense", "v4") == aot.DENSE_FLAGS
   assert aot.variant_flags("dense_async", "v4") == aot.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS
   assert aot.variant_flags("meshslice", "v4") == backend_flags.SAFE_ASYNC_FLAGS
-  assert aot_sites.flags_of("async", "v5p") == backend_flags.SAFE_ASYNC_FLAGS
+  assert aot_sites.flags_of("async", "v5p") == (backend_flags.SAFE_ASYNC_FLAGS
+                                                + backend_flags.SPARSE_CORE_OFFLOAD_FLAGS)
   assert aot_sites.flags_of("async_dense", "v4") == (backend_flags.SAFE_ASYNC_FLAGS
                                                      + aot.DENSE_FLAGS)
   assert aot_sites.flags_of("default", "v4") == ()

@@ -180,7 +180,8 @@ def test_planner_leaves_a_site_to_xla_when_its_program_is_predicted_faster(monke
   fast = xla_baseline.XlaProgram(seconds=0.5 * rewrite.predicted_seconds, windowed=True,
                                  description="windowed einsum (a ring over 8 devices)")
   asked = []
-  def xla_program(problem, profile, dataflow, baseline, terms, windowed_off=frozenset()):
+  def xla_program(problem, profile, dataflow, baseline, terms, windowed_off=frozenset(),
+                  offloaded=frozenset()):
     asked.append(baseline)
     return fast if baseline == "windowed" else dataclasses.replace(
         fast, windowed=False, description="dense program")
