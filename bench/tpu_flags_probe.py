@@ -2,7 +2,9 @@
 generation (docs/tpu.md "Flags per generation"). Compiles a hand-written sliced
 shard_map (OS S=4 then LS S=4, 4096^2 bf16, 2 x 4 mesh) for TOPOLOGY under this
 process's LIBTPU_INIT_ARGS and prints the compiled collectives by opcode (no meshslice
-import, so it runs on any jax with libtpu, e.g. the newest):
+import, so it runs on any jax with libtpu, e.g. the newest). A collective offloaded to
+the SparseCore (v5p, v6e) is still counted by its opcode, inside the called computation,
+and once more as a "call-start" (the async call that runs it):
 
   LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=true" python bench/tpu_flags_probe.py v4:2x2x2
 
@@ -67,7 +69,7 @@ try:
       op = "async_collective_fusion"
     if op in ("all-gather", "all-gather-start", "reduce-scatter", "all-reduce",
               "all-reduce-start", "collective-permute-start", "async_collective_fusion",
-              "reduce-scatter-start", "async-start"):
+              "reduce-scatter-start", "async-start", "call-start"):
       ops[op] = ops.get(op, 0) + 1
   out.update(ops)
 except Exception as e:

@@ -58,8 +58,11 @@ SAFE_ASYNC_FLAGS = (
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true")
 # SparseCore collective offload (v5p, v6e; MaxText sets it on v6e): the collectives run
-# on the SparseCores, asynchronously. Accepted by libtpu 0.0.42.1 and 0.0.50.1 on every
-# generation; v4 and v5e have no SparseCore for it and compile as without.
+# on the SparseCores, asynchronously (bench/tpu_flags_probe.py: every all-gather and
+# reduce-scatter of a sliced program becomes a call-start on v5p and v6e, both libtpus).
+# Accepted everywhere, but not for v4: there it turns the all-gathers that
+# --xla_enable_async_all_gather makes async (9 of 12 in the probe) synchronous again.
+# v5e compiles as without.
 SPARSE_CORE_OFFLOAD_FLAGS = (
     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
     "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
@@ -229,6 +232,10 @@ def overlap_note(sites, mesh, environ=None) -> tuple:
     notes.append(f"sliced collectives overlap the matmuls on {chip} only with "
                  f"{' '.join(missing)} in {variable} (set before jax starts; docs/tpu.md); "
                  "without them the slices run one after another")
+  if generation == "v4" and sparse_core_offload(flags_in_effect(environ), "v5p"):
+    notes.append(f"SparseCore collective offload ({_OFFLOAD_KEY}*) is set, which makes the "
+                 "async all-gathers synchronous again on TPU v4 (it has no SparseCore "
+                 "for them); drop it there (docs/tpu.md)")
   if unsafe:
     notes.append(f"{' '.join(unsafe)} (all-gather continuation fusion) is set, which the "
                  f"newest libtpu refuses on TPU {generation} as unsafe (incorrect results, "
@@ -241,8 +248,9 @@ def _all_to_all_note(sites, generation, environ=None) -> tuple:
   generation where the all-to-all form would overlap them, for want of the flag."""
   if generation not in SYNC_REDUCE_SCATTER_GENERATIONS:
     return ()
-  if async_all_to_all(flags_in_effect(environ)):
-    return ()
+  flags = flags_in_effect(environ)
+  if async_all_to_all(flags) or "reduce_scatter" in sparse_core_offload(flags, generation):
+    return ()      # the all-to-alls overlap, or the SparseCore runs the reduce-scatters
   scattering = [s for s in sites if s.rewritten and s.dataflow in ("ls", "rs")
                 and s.algorithm in ("meshslice", "collective") and not s.reduce_scatter]
   if not scattering:

@@ -98,6 +98,27 @@ def test_report_note_reads_the_generation_and_warns_of_unsafe_flags(monkeypatch)
   assert _explain_sliced(v5e).notes == ()
 
 
+def test_report_notes_on_sparse_core_offload(monkeypatch):
+  # v5p wants the offload flags beside the safe set; on v4 they make the async
+  # all-gathers synchronous (bench/tpu_flags_probe.py), which the note says
+  pytest.importorskip("libtpu")
+  v5p = aot.make_mesh("v5p:2x2x1", (2, 2))
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(backend_flags.SAFE_ASYNC_FLAGS))
+  note, = _explain_sliced(v5p).notes
+  assert note.startswith("sliced collectives overlap the matmuls on TPU v5p only with "
+                         + " ".join(backend_flags.SPARSE_CORE_OFFLOAD_FLAGS) + " in "
+                         "LIBTPU_INIT_ARGS")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(backend_flags.tpu_overlap_flags("v5p")))
+  assert _explain_sliced(v5p).notes == ()
+  v4 = aot.make_mesh("v4:2x2x1", (2, 2))
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(backend_flags.tpu_overlap_flags("v5p")))
+  note, = _explain_sliced(v4).notes
+  assert note == ("SparseCore collective offload "
+                  "(--xla_tpu_enable_sparse_core_collective_offload_*) is set, which makes "
+                  "the async all-gathers synchronous again on TPU v4 (it has no SparseCore "
+                  "for them); drop it there (docs/tpu.md)")
+
+
 def _row(step_ms, flags=""):
   return {"compute_cycles": 1e6, "dot_cycles": 1e6, "copy_cycles": 0, "relayout_copies": 0,
           "collectives": 2, "sync_collectives": 1, "async_collectives": 1,
