@@ -362,22 +362,25 @@ def windowed_parts(problem: GemmProblem, dataflow: str, profile: HardwareProfile
 
 
 def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
-                      terms: CompilerTerms | None, offloaded) -> float:
-  """XLA's dense program for the site with the collectives of `offloaded` (kinds:
+                      terms: CompilerTerms | None, offloaded, algorithm: str = "collective",
+                      ksplit: int = 1) -> float:
+  """A site's program (XLA's dense program: the collective algorithm; or a rewrite's,
+  `algorithm` with `ksplit` slices) with the collectives of `offloaded` (kinds:
   "all_gather", "reduce_scatter", "all_reduce") run on the SparseCore (v5p / v6e under
   `--xla_tpu_enable_sparse_core_collective_offload_*`): those run beside the compute on
   their links, the others stay exposed:
 
       max(compute, offloaded on the row link, offloaded on the column link) + the rest
 
-  The dense program's compute is priced as `compiled_seconds` prices it (dot terms,
-  extra_scale); without terms, as the analytic model does. Whole-program, not per
-  stage: XLA's scheduler overlaps a site's collectives with other sites' compute
-  (measured, GPT-3 on v5p 64x4 under the offload flags: 10.6 ms of 97.3 ms exposed,
-  docs/benchmarks.md), so this is the site's limit, and a rewrite cannot be predicted
-  below it."""
-  sched = schedule(problem, "collective", dataflow, 1, profile)
-  flops = problem.flops / (problem.rows * problem.cols)
+  Compute is priced as `compiled_seconds` prices it (dot terms, extra_scale); without
+  terms, as the analytic model does. Whole-program, not per stage: XLA's scheduler
+  overlaps a site's offloaded collectives with other sites' compute too (measured,
+  GPT-3 on v5p 64x4 under the offload flags: 10.6 ms of 97.3 ms exposed,
+  docs/benchmarks.md), so this is the site's limit. Slicing then only adds compute: the
+  collective algorithm is the fastest program under offload."""
+  sched = schedule(problem, algorithm, dataflow, ksplit, profile)
+  slices = ksplit if algorithm == "meshslice" else 1
+  flops = problem.flops / (problem.rows * problem.cols) / slices
   compute = links_row = links_col = exposed = 0.0
   for stage in sched.stages:
     for op in stage.ops:

@@ -126,9 +126,16 @@ def reshard_seconds(shape, dtype, new_spec, axis_sizes, profile) -> float:
           + 2 * copy_time(profile, nbytes))
 
 
-def predict(problem, profile, algorithm, dataflow, ksplit, terms=None) -> float:
+def predict(problem, profile, algorithm, dataflow, ksplit, terms=None,
+            offloaded=frozenset()) -> float:
   """Predicted seconds of a candidate plan: the analytic model, re-priced with the
-  compiler terms when given (`xla_baseline.compiled_seconds`)."""
+  compiler terms when given (`xla_baseline.compiled_seconds`). With collectives
+  offloaded to the SparseCore (`offloaded`, v5p / v6e: `backend_flags.sparse_core_offload`)
+  the collective and meshslice algorithms, whose collectives libtpu offloads as it does
+  XLA's, are priced at their overlap limit (`xla_baseline.offloaded_seconds`)."""
+  if offloaded and algorithm in ("collective", "meshslice"):
+    return float(xla_baseline.offloaded_seconds(problem, dataflow, profile, terms, offloaded,
+                                                algorithm, ksplit))
   if terms is not None:
     return float(xla_baseline.compiled_seconds(problem, algorithm, dataflow, ksplit,
                                                profile, terms))
@@ -227,7 +234,8 @@ Choice = PlanChoice
 NO_PLAN_FITS = "no plan fits HBM"
 
 
-def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> PlanChoice:
+def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None,
+           offloaded=frozenset()) -> PlanChoice:
   """Among the candidates that fit the chip's memory (`costmodel.why_too_big` with the
   profile's HBM capacity; a profile without one excludes nothing), the one with the
   fewest slices (candidate order: collective, then meshslice by ascending ksplit) whose
@@ -237,7 +245,7 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Pl
   candidate can run the problem.
 
   `ksplits` are the slice counts the site's geometry can realise exactly; the cost
-  model is asked only about those.
+  model is asked only about those; `offloaded` is `predict`'s.
 
   Example:
     >>> from meshslice.costmodel import GemmProblem, load_profile
@@ -261,7 +269,7 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None) -> Pl
       if why:
         too_big.setdefault(same(algorithm, ksplit), why)
         continue
-      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit, terms),
+      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit, terms, offloaded),
                      len(ranked), algorithm, ksplit))
   if not ranked and too_big:
     # the plan nearest to fitting says how far off the site is

@@ -349,11 +349,9 @@ def _versus_xla(best, site, ctx, request, base):
   flow = costing.model_dataflow(site.dataflow)
   # XLA's program under the flags this process compiles with (libtpu reads them once)
   flags = backend_flags.flags_in_effect()
-  offloaded = backend_flags.sparse_core_offload(
-      flags, backend_flags.profile_generation(profile.name))
   xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms,
                             windowed_off=backend_flags.windowed_einsum_off(flags),
-                            offloaded=offloaded)
+                            offloaded=_offloaded(profile))
   collective = best.algorithm == "collective" or best.ksplit == 1
   too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
                                                           profile)
@@ -373,6 +371,13 @@ def _versus_xla(best, site, ctx, request, base):
                       f"XLA's own program ({xla.description}) {xla.seconds * 1e6:.1f} us "
                       f"by more than the {costing.XLA_MARGIN:.0%} margin"),
               **base)
+
+
+def _offloaded(profile) -> frozenset:
+  """The collectives this process's libtpu flags offload to the SparseCore on the
+  profile's TPU generation (`backend_flags.sparse_core_offload`; none off v5p / v6e)."""
+  return backend_flags.sparse_core_offload(backend_flags.flags_in_effect(),
+                                           backend_flags.profile_generation(profile.name))
 
 
 def _compiles_as_xla(ctx) -> bool:
@@ -420,7 +425,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
                                 lhs.dtype, out.dtype, ctx.axis_sizes, profile)
   flow = costing.model_dataflow(match.dataflow)
   terms = getattr(ctx.options, "compiler_terms", None)
-  baseline = costing.predict(problem, profile, "collective", flow, 1, terms)
+  offloaded = _offloaded(profile)
+  baseline = costing.predict(problem, profile, "collective", flow, 1, terms, offloaded)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
               baseline_seconds=baseline, predicted_seconds=baseline, problem=problem,
               profile=profile, **base, **decided)
@@ -429,7 +435,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
   if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):
     algorithm = algorithm or "meshslice"
     ksplit, note = _requested_ksplit(algorithm, geometry, request, site)
-    seconds = costing.predict(problem, profile, algorithm, flow, ksplit, terms)
+    seconds = costing.predict(problem, profile, algorithm, flow, ksplit, terms, offloaded)
     # a pinned plan is the user's call: kept, but said when it will not fit
     too_big = costmodel.why_too_big(problem, algorithm, flow, ksplit, profile)
     note = _join(note, too_big and f"the requested plan does not fit HBM: {too_big}")
@@ -439,7 +445,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
                     and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
     algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
-        algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms)
+        algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms,
+        offloaded=offloaded)
     if algorithm is None:     # every candidate is too big for the chip
       return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
                                  block=None, predicted_seconds=None, reason=note)
