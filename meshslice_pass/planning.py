@@ -284,10 +284,15 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # output), or the user pinned one the current layouts do not give.
   options = [site] if site.rewritten and pinned in (None, site.dataflow) else []
   refused = None      # the first alternative that cannot honour a pin (its error)
+  # Under SparseCore offload XLA's program hides the collectives of the layout it has;
+  # reshards to another dataflow predicted to win there lost when compiled (GPT-3 on 256
+  # v6e chips: six sites, 0.963x; docs/benchmarks.md): only a pinned dataflow reshards
+  automatic = ctx.options.relayout and not (
+      site.profile is not None and _offloaded(site.profile))
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):
-    if pinned not in (None, alt.dataflow) or (pinned is None and not ctx.options.relayout):
+    if pinned not in (None, alt.dataflow) or (pinned is None and not automatic):
       continue
     try:
       candidate = plan(alt, alt_lhs, alt_rhs)
