@@ -111,13 +111,16 @@ def test_margin_is_explicit_and_applies_to_sliced_rewrites():
   assert faster_by(1 / 1.06) > costing.XLA_MARGIN > faster_by(1 / 1.04)
 
 
-def _pod_site():
-  am = jax.sharding.AbstractMesh((32, 8), ("x", "y"),
-                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  s = NamedSharding(am, P("x", "y"))
-  x = jax.ShapeDtypeStruct((65536, 8192), jnp.bfloat16, sharding=s)
-  w = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=s)
+def _matmul_site(mesh_shape, m, k, n):
+  """A jitted bf16 (m, k) @ (k, n), both operands P("x", "y") on an AbstractMesh."""
+  s = NamedSharding(_abstract(mesh_shape), P("x", "y"))
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=s)
   return jax.jit(lambda a, b: a @ b), x, w
+
+
+def _pod_site():
+  return _matmul_site((32, 8), 65536, 8192, 8192)
 
 
 def test_xla_is_priced_under_the_users_windowed_einsum_flags(monkeypatch):
@@ -208,20 +211,11 @@ def test_tune_slices_only_the_sites_of_one_dataflow():
                    candidates={"sliced": meshslice.SlicedSites("collective", "ls", 2)})
 
 
-def _compute_bound_site():
-  am = jax.sharding.AbstractMesh((8, 8), ("x", "y"),
-                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  s = NamedSharding(am, P("x", "y"))
-  x = jax.ShapeDtypeStruct((32768, 32768), jnp.bfloat16, sharding=s)
-  w = jax.ShapeDtypeStruct((32768, 32768), jnp.bfloat16, sharding=s)
-  return jax.jit(lambda a, b: a @ b), x, w
-
-
 def test_sparse_core_offload_prices_xla_with_its_collectives_hidden(monkeypatch):
   # v5p / v6e under the SparseCore offload flags: XLA's dense program runs its
   # all-gathers and reduce-scatters beside the dot (measured: docs/benchmarks.md), so a
   # sliced rewrite that beats the synchronous dense program is left to XLA there
-  f, x, w = _compute_bound_site()
+  f, x, w = _matmul_site((8, 8), 32768, 32768, 32768)     # compute-bound
   dense_async = backend_flags.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS
   monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(dense_async))
   site, = meshslice.explain(f, profile="tpu-v5p", relayout=False)(x, w).sites
@@ -299,11 +293,7 @@ def test_sparse_core_offload_reshards_only_a_pinned_dataflow(monkeypatch):
   # a wide input: without offload the weight is resharded for ls; under offload XLA's
   # program hides the os layout's gathers, and reshards predicted to win there lost when
   # compiled (GPT-3 on 256 v6e chips), so the site stays in its own layout, left to XLA
-  am = _abstract((8, 8))
-  s = NamedSharding(am, P("x", "y"))
-  x = jax.ShapeDtypeStruct((65536, 16384), jnp.bfloat16, sharding=s)
-  w = jax.ShapeDtypeStruct((16384, 512), jnp.bfloat16, sharding=s)
-  f = jax.jit(lambda a, b: a @ b)
+  f, x, w = _matmul_site((8, 8), 65536, 16384, 512)
   monkeypatch.setenv("LIBTPU_INIT_ARGS",
                      " ".join(backend_flags.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS))
   site, = meshslice.explain(f, profile="tpu-v6e")(x, w).sites
