@@ -257,6 +257,14 @@ def dot_seconds(terms: CompilerTerms, profile: HardwareProfile, flops: float) ->
   return terms.dot_fixed_s + flops / (profile.peak_flops * terms.dot_efficiency)
 
 
+def _compute_op_seconds(op, terms: CompilerTerms, profile: HardwareProfile, flops: float,
+                        dataflow: str) -> float:
+  """A compute op of an analytic schedule re-priced with the compiler terms: a matmul
+  of `flops` by the dot terms, any other op scaled by extra_scale[dataflow]."""
+  return (dot_seconds(terms, profile, flops) if op.name == "matmul"
+          else op.seconds * terms.extra_scale[dataflow])
+
+
 def _kind(op_name: str) -> str | None:
   return next((k for k in _KINDS if op_name.startswith(k)), None)
 
@@ -291,8 +299,7 @@ def compiled_seconds(problem: GemmProblem, algorithm: str, dataflow: str, ksplit
     compute = links_row = links_col = exposed = 0.0
     for op in stage.ops:
       if op.stream == "compute":
-        compute += (dot_seconds(terms, profile, flops) if op.name == "matmul"
-                    else op.seconds * terms.extra_scale[dataflow])
+        compute += _compute_op_seconds(op, terms, profile, flops, dataflow)
     has_compute = compute > 0 and profile.overlap
     for op in stage.ops:
       if op.stream == "compute":
@@ -387,8 +394,7 @@ def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProf
       seconds = op.seconds * stage.repeat
       if op.stream == "compute":
         if terms is not None:
-          seconds = stage.repeat * (dot_seconds(terms, profile, flops) if op.name == "matmul"
-                                    else op.seconds * terms.extra_scale[dataflow])
+          seconds = stage.repeat * _compute_op_seconds(op, terms, profile, flops, dataflow)
         compute += seconds
       elif not any(op.name.startswith(kind) for kind in offloaded):
         exposed += seconds

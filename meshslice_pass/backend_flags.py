@@ -171,8 +171,11 @@ def sparse_core_offload(flags, generation: str | None) -> frozenset:
     >>> sparse_core_offload(SPARSE_CORE_OFFLOAD_FLAGS, "v4")
     frozenset()
   """
-  if generation not in SPARSE_CORE_GENERATIONS:
-    return frozenset()
+  return _offload_asked(flags) if generation in SPARSE_CORE_GENERATIONS else frozenset()
+
+
+def _offload_asked(flags) -> frozenset:
+  """The collectives `flags` ask to offload to the SparseCore, whatever the chip."""
   return frozenset(kind for kind in ("all_gather", "reduce_scatter", "all_reduce")
                    if _last_value(flags, _OFFLOAD_KEY + kind) in ("true", "1"))
 
@@ -232,7 +235,7 @@ def overlap_note(sites, mesh, environ=None) -> tuple:
     notes.append(f"sliced collectives overlap the matmuls on {chip} only with "
                  f"{' '.join(missing)} in {variable} (set before jax starts; docs/tpu.md); "
                  "without them the slices run one after another")
-  if generation == "v4" and sparse_core_offload(flags_in_effect(environ), "v5p"):
+  if generation == "v4" and _offload_asked(flags_in_effect(environ)):
     notes.append(f"SparseCore collective offload ({_OFFLOAD_KEY}*) is set, which makes the "
                  "async all-gathers synchronous again on TPU v4 (it has no SparseCore "
                  "for them); drop it there (docs/tpu.md)")
