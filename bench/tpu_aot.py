@@ -298,11 +298,26 @@ def flag_lines(records) -> list:
           for (gen, variant, lib), flags_ in seen.items()]
 
 
+def exposed_lines(records, top: int = 3) -> list:
+  """One line per compiled program: its largest exposed-communication groups
+  (`Simulation.exposed_by`: the wait's kind, collective, group size and link), in ms."""
+  lines = []
+  for r in records:
+    groups = r.get("exposed_by") or []
+    if groups:
+      parts = ", ".join(f"{label}: {seconds * 1e3:.2f} ms ({count}x)"
+                        for label, seconds, count in groups[:top])
+      lines.append(f"- {r['model']} {'x'.join(map(str, r['mesh']))} {r['variant']}: {parts}")
+  return lines
+
+
 def markdown(records) -> str:
   records = headline(list(records))
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   lines += ["| " + " | ".join(_cells(r)) + " |" for r in records]
   lines += ["", *best_meshes(records)]
+  lines += ["", "Where the exposed time goes (simulator, largest 3 per program):",
+            *exposed_lines(records)]
   lines += ["", "libtpu flags (LIBTPU_INIT_ARGS) per variant:", *flag_lines(records)]
   return "\n".join(lines)
 

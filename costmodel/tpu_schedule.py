@@ -1078,6 +1078,8 @@ class Simulation:
     exposed_s: step_s - compute_s: communication (and link contention) not hidden.
     clock_hz: the clock used.
     profile: name of the hardware profile of the collective model.
+    waits: every moment the compute stream waited on communication, in program order
+      (`Wait`): their `waited_s` sum to exposed_s. `exposed_by()` groups them.
   """
 
   step_s: float
@@ -1087,6 +1089,58 @@ class Simulation:
   exposed_s: float
   clock_hz: float
   profile: str
+  waits: tuple = ()
+
+  def exposed_by(self, top: int | None = None) -> list[tuple[str, float, int]]:
+    """Where the exposed time goes: (`Wait.label`, seconds waited, how many waits) per
+    label, largest first; the first `top` of them when given.
+
+    Example (an all-gather waited on right after it is issued):
+      >>> w = Wait(name="ag", collective="all-gather", sync=False, group_size=4, link=1,
+      ...          bytes=2**20, seconds=2e-3, waited_s=2e-3, between_s=0.0)
+      >>> Simulation(step_s=3e-3, compute_s=1e-3, collective_s=2e-3, sync_collective_s=0,
+      ...            exposed_s=2e-3, clock_hz=1e9, profile="p", waits=(w,)).exposed_by()
+      [('async all-gather n=4 link 1', 0.002, 1)]
+    """
+    groups: dict[str, list] = {}
+    for w in self.waits:
+      g = groups.setdefault(w.label, [0.0, 0])
+      g[0] += w.waited_s
+      g[1] += 1
+    ranked = sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: (-r[1], r[0]))
+    return ranked if top is None else ranked[:top]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Wait:
+  """One stall of the compute stream on communication (`Simulation.waits`).
+
+  Attributes:
+    name: the collective (for an async pair, its start; for a collective-permute, the op).
+    collective: its kind ("all-gather", ...).
+    sync: True for a synchronous collective (the chip waits from issue, including for
+      its link to be free); False for an async done that found its collective unfinished.
+    group_size, link, bytes: as on `CompiledOp` (link: the profile dim it travels on).
+    seconds: the collective's modelled duration.
+    waited_s: how long the compute stream stood still for it.
+    between_s: for an async pair, the compute time the schedule put between its start and
+      done (what it was meant to hide under); 0 for a sync collective.
+  """
+
+  name: str
+  collective: str
+  sync: bool
+  group_size: int
+  link: int
+  bytes: int
+  seconds: float
+  waited_s: float
+  between_s: float = 0.0
+
+  @property
+  def label(self) -> str:
+    return (f"{'sync' if self.sync else 'async'} {self.collective} n={self.group_size} "
+            f"link {self.link}")
 
 
 def collective_seconds(op: CompiledOp, profile: HardwareProfile, axis_dims=None) -> float:
@@ -1162,12 +1216,17 @@ def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = 
                        f"(known: {sorted(CLOCK_HZ)}); pass clock_hz=")
     clock_hz = CLOCK_HZ[profile.name]
   state = {"t": 0.0, "links": {0: 0.0, 1: 0.0}, "pending": {}, "compute": 0.0,
-           "comm": 0.0, "sync": 0.0}
+           "comm": 0.0, "sync": 0.0, "waits": []}
   _run(schedule.entries, state, profile, clock_hz, axis_dims)
-  t = max([state["t"]] + list(state["pending"].values()))
+  # collectives still in flight when the program ends (no done read): the step waits
+  for end, wait in sorted(state["pending"].values(), key=lambda v: v[0]):
+    if end > state["t"]:
+      state["waits"].append(dataclasses.replace(wait, waited_s=end - state["t"]))
+      state["t"] = end
+  t = state["t"]
   return Simulation(step_s=t, compute_s=state["compute"], collective_s=state["comm"],
                     sync_collective_s=state["sync"], exposed_s=max(0.0, t - state["compute"]),
-                    clock_hz=clock_hz, profile=profile.name)
+                    clock_hz=clock_hz, profile=profile.name, waits=tuple(state["waits"]))
 
 
 def _run(entries, state, profile, clock_hz, axis_dims=None):
@@ -1182,13 +1241,22 @@ def _run(entries, state, profile, clock_hz, axis_dims=None):
       end = begin + seconds
       state["links"][e.link] = end
       state["comm"] += seconds
+      wait = Wait(name=e.name, collective=e.collective, sync=e.kind == "collective",
+                  group_size=e.group_size, link=e.link, bytes=e.bytes, seconds=seconds,
+                  waited_s=end - state["t"],
+                  between_s=0.0 if e.kind == "collective" else e.between_cycles / clock_hz)
       if e.kind == "collective":
         state["sync"] += seconds
+        if end > state["t"]:
+          state["waits"].append(wait)
         state["t"] = end
       else:
-        state["pending"][e.partner or e.name] = end
+        state["pending"][e.partner or e.name] = (end, wait)
     elif e.kind == "done":
-      state["t"] = max(state["t"], state["pending"].pop(e.name, state["t"]))
+      end, wait = state["pending"].pop(e.name, (state["t"], None))
+      if end > state["t"]:
+        state["waits"].append(dataclasses.replace(wait, waited_s=end - state["t"]))
+        state["t"] = end
     elif e.cycles:
       seconds = e.cycles / clock_hz
       state["t"] += seconds

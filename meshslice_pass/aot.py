@@ -329,6 +329,7 @@ class AotResult:
             "sync_collectives": s.sync_collectives, "async_collectives": s.async_collectives,
             "windowed_einsum_loops": s.windowed_einsum_loops,
             "step_s": sim.step_s, "compute_s": sim.compute_s, "exposed_s": sim.exposed_s,
+            "exposed_by": [list(g) for g in sim.exposed_by(top=5)],
             "ici_profile": sim.profile,
             "peak_bytes": self.peak_bytes, "temp_bytes": self.temp_bytes,
             "libtpu_peak_bytes": self.libtpu_peak_bytes,

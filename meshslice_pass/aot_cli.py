@@ -32,8 +32,18 @@ _ROWS = (("compute cycles (M)", lambda r: r["compute_cycles"] / 1e6, "{:.1f}"),
          ("simulated step (ms)", lambda r: r["step_s"] * 1e3, "{:.3f}"),
          ("  compute (ms)", lambda r: r["compute_s"] * 1e3, "{:.3f}"),
          ("  exposed communication (ms)", lambda r: r["exposed_s"] * 1e3, "{:.3f}"),
+         ("  most of it waiting on", lambda r: _largest_wait(r), "{}"),
          ("peak memory / device (GiB)", lambda r: r["peak_bytes"] / 2**30, "{:.2f}"),
          ("compile time (s)", lambda r: r["compile_s"], "{:.0f}"))
+
+
+def _largest_wait(row: dict) -> str:
+  """The label and ms of the largest group of waits (`Simulation.exposed_by`), or "-"."""
+  groups = row.get("exposed_by") or []
+  if not groups:
+    return "-"
+  label, seconds, _ = groups[0]
+  return f"{label} ({seconds * 1e3:.2f})"
 
 
 def format_table(results: dict) -> str:

@@ -284,11 +284,17 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # output), or the user pinned one the current layouts do not give.
   options = [site] if site.rewritten and pinned in (None, site.dataflow) else []
   refused = None      # the first alternative that cannot honour a pin (its error)
-  # Under SparseCore offload XLA's program hides the collectives of the layout it has;
-  # reshards to another dataflow predicted to win there lost when compiled (GPT-3 on 256
-  # v6e chips: six sites, 0.963x; docs/benchmarks.md): only a pinned dataflow reshards
-  automatic = ctx.options.relayout and not (
-      site.profile is not None and _offloaded(site.profile))
+  # Under SparseCore offload XLA's program hides a collective wherever independent work
+  # can run beside it. In the backward pass the data- and weight-gradient matmuls of a
+  # layer are independent, so the layout's collectives are hidden already and reshards
+  # predicted to win there lost when compiled (GPT-3 on 256 v6e chips, four such sites:
+  # 0.96x). In the forward pass each matmul feeds the next: its collectives are waited
+  # on, and a reshard that moves fewer bytes wins (the MLP down-projection as ls: 1.06x
+  # on v6e, 1.03x on v5p; docs/benchmarks.md). So under offload only forward sites
+  # reshard on their own; a pinned dataflow always may.
+  automatic = ctx.options.relayout and (
+      site.profile is None or not _offloaded(site.profile)
+      or base["direction"] == "forward")
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):

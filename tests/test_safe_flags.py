@@ -135,6 +135,10 @@ def test_cli_table_states_flags_and_compares_with_the_best_of_four():
   assert "  plain: (libtpu defaults)" in text and "  dense_async: D A" in text
   assert text.splitlines()[-1] == ("meshslice vs the best XLA variant (dense_async, 2.000 ms): "
                                    "1.250x (faster)")
+  waiting = [line for line in text.splitlines() if line.startswith("  most of it waiting on")]
+  assert waiting and waiting[0].split()[-1] == "-"          # no waits recorded in the rows
+  rows["meshslice"]["exposed_by"] = [["async all-gather n=4 link 1", 4e-4, 3]]
+  assert aot.format_table(rows).count("async all-gather n=4 link 1 (0.40)") == 1
   slower = dict(rows, meshslice=_row(2.1, "A"))
   assert aot.format_table(slower).endswith("0.952x (not faster)")
   assert aot.versus_best_xla({"meshslice": _row(1.0)}) is None
@@ -173,6 +177,11 @@ def test_bench_tpu_aot_flags_and_headline():
       "- gpt3 v4 8 chips, each at its best of 2 mesh(es): meshslice 2x4 2.10 ms against "
       "dense_async 4x2 1.80 ms: 0.857x"]
   assert tpu_aot.best_meshes(records)[0] in tpu_aot.markdown(records)
+  # where each program's exposed time goes (`AotResult.row()["exposed_by"]`, seconds)
+  records[3]["exposed_by"] = [["async all-gather n=4 link 1", 4e-4, 3],
+                              ["sync all-reduce n=8 link 0", 1e-4, 1]]
+  assert ("- gpt3 2x4 dense_async: async all-gather n=4 link 1: 0.40 ms (3x), sync "
+          "all-reduce n=8 link 0: 0.10 ms (1x)") in tpu_aot.markdown(records).splitlines()
   records += [dict(other, variant="dense", **_row(2.5))]
   row, = tpu_aot.summary(records)
   assert row[4:10] == ["dense_async (4x2)", "1.8", "meshslice (2x4)", "2.1", "0.857x", ""]

@@ -579,3 +579,51 @@ def test_sparse_core_strategy_names_and_torus_dims():
   two_d = ('{"collective_offload_config":{"all_gather_offload_config":{'
            '"ici_strategy_config":{"color_strategies":[' + ",".join([color] * 4) + "]}}}}")
   assert ts._strategy(two_d) == ("SparseCoreOffload{colors:4 phases:2 cores:8 8}", 2)
+
+
+# ------------------------------------------------- 6. where the exposed time goes
+
+def test_exposed_time_is_attributed_to_the_collective_waited_on():
+  """The continuation program: the gather (AG4 = 106.9 us) hides 50 us of softmax; its
+  done waits the rest. That one wait is all the exposed time."""
+  sim = ts.simulate(_continuation_module(), "tpu-v4")
+  wait, = sim.waits
+  assert (wait.name, wait.collective, wait.sync, wait.group_size, wait.link) == (
+      "async-collective-start", "all-gather", False, 4, 1)
+  assert wait.seconds == pytest.approx(AG4)
+  assert wait.between_s == pytest.approx(50 * US)
+  assert wait.waited_s == pytest.approx(AG4 - 50 * US) == pytest.approx(sim.exposed_s)
+  assert sim.exposed_by() == [("async all-gather n=4 link 1", pytest.approx(AG4 - 50 * US), 1)]
+
+
+def test_a_done_that_finds_its_collective_finished_is_no_wait():
+  """Two permutes in flight on different links, waited on back to back: the column one
+  (CP1 = 122.5 us) is waited for; the row one (CP0 = 117.1 us) has finished under it."""
+  sim = ts.simulate(PERMUTES, "tpu-v4")
+  assert CP1 > CP0
+  wait, = sim.waits
+  assert (wait.name, wait.collective, wait.link) == ("back", "collective-permute", 1)
+  assert wait.waited_s == pytest.approx(CP1) == pytest.approx(sim.exposed_s)
+
+
+def test_sync_collectives_wait_from_issue_and_queue_on_their_link():
+  """A sync gather after an async one on the same link starts when the link frees:
+  its wait is the async gather's remaining time plus its own duration."""
+  text = _module("""
+ENTRY %main (p0: bf16[1024,1024]) -> bf16[4096,1024] {
+  %p0 = bf16[1024,1024]{L} parameter(0)
+  %ags = (bf16[1024,1024]{L}, bf16[4096,1024]{L}) all-gather-start(%p0), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %f = bf16[1024,1024]{L} fusion(%p0), kind=kLoop, calls=%c, backend_config={"flag_configs":[],"estimated_cycles":"21000"}
+  %ag = bf16[4096,1024]{L} all-gather(%f), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %agd = bf16[4096,1024]{L} all-gather-done(%ags)
+  ROOT %r = bf16[4096,1024]{L} add(%agd, %ag)
+}""")  # noqa: E501
+  sim = ts.simulate(text, "tpu-v4")
+  # 20 us of compute; the sync gather starts at AG4 (the link is busy) and ends at 2 AG4;
+  # the async done then finds its gather long finished
+  wait, = sim.waits
+  assert (wait.name, wait.sync) == ("ag", True)
+  assert wait.waited_s == pytest.approx(2 * AG4 - 20 * US)
+  assert sim.step_s == pytest.approx(2 * AG4)
+  assert sum(w.waited_s for w in sim.waits) == pytest.approx(sim.exposed_s)
+  assert sim.exposed_by(top=1) == [("sync all-gather n=4 link 1", pytest.approx(wait.waited_s), 1)]
