@@ -370,7 +370,7 @@ def windowed_parts(problem: GemmProblem, dataflow: str, profile: HardwareProfile
 
 def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,
                       terms: CompilerTerms | None, offloaded, algorithm: str = "collective",
-                      ksplit: int = 1) -> float:
+                      ksplit: int = 1, *, forward: bool = False) -> float:
   """A site's program (XLA's dense program: the collective algorithm; or a rewrite's,
   `algorithm` with `ksplit` slices) with the collectives of `offloaded` (kinds:
   "all_gather", "reduce_scatter", "all_reduce") run on the SparseCore (v5p / v6e under
@@ -384,7 +384,20 @@ def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProf
   overlaps a site's offloaded collectives with other sites' compute too (measured,
   GPT-3 on v5p 64x4 under the offload flags: 10.6 ms of 97.3 ms exposed,
   docs/benchmarks.md), so this is the site's limit. Slicing then only adds compute: the
-  collective algorithm is the fastest program under offload."""
+  collective algorithm is the fastest program under offload.
+
+  forward: a forward-pass site. There each matmul feeds the next, so nothing independent
+  runs beside the collectives of its activations (X gathered before the dot, Y
+  reduce-scattered after it): they are waited on, and only the weight's (W, there from
+  the step's start) still hides under the compute:
+
+      max(compute, W's offloaded collectives per link) + X's and Y's + the rest
+
+  Measured in XLA's dense program for GPT-3 on 256 v6e chips (64x4): every forward
+  activation gather is waited on as soon as it is issued; the weights' gathers hide.
+  Sliced, they do not pipeline either (libtpu runs one offloaded collective at a time
+  there), so slicing still only adds compute; what pays is a dataflow whose
+  activations move fewer bytes."""
   sched = schedule(problem, algorithm, dataflow, ksplit, profile)
   slices = ksplit if algorithm == "meshslice" else 1
   flops = problem.flops / (problem.rows * problem.cols) / slices
@@ -396,13 +409,20 @@ def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProf
         if terms is not None:
           seconds = stage.repeat * _compute_op_seconds(op, terms, profile, flops, dataflow)
         compute += seconds
-      elif not any(op.name.startswith(kind) for kind in offloaded):
+      elif not any(op.name.startswith(kind) for kind in offloaded) or (
+          forward and _moved_matrix(op.name) in ("X", "Y")):
         exposed += seconds
       elif op.stream == "row":
         links_row += seconds
       else:
         links_col += seconds
   return max(compute, links_row, links_col) + exposed
+
+
+def _moved_matrix(op_name: str) -> str:
+  """The matrix a modelled collective moves ("all_gather X slice" -> "X"), "" if none."""
+  words = op_name.split()
+  return words[1] if len(words) > 1 and words[1] in ("X", "W", "Y") else ""
 
 
 def xla_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProfile,

@@ -127,15 +127,16 @@ def reshard_seconds(shape, dtype, new_spec, axis_sizes, profile) -> float:
 
 
 def predict(problem, profile, algorithm, dataflow, ksplit, terms=None,
-            offloaded=frozenset()) -> float:
+            offloaded=frozenset(), forward=False) -> float:
   """Predicted seconds of a candidate plan: the analytic model, re-priced with the
   compiler terms when given (`xla_baseline.compiled_seconds`). With collectives
   offloaded to the SparseCore (`offloaded`, v5p / v6e: `backend_flags.sparse_core_offload`)
   the collective and meshslice algorithms, whose collectives libtpu offloads as it does
-  XLA's, are priced at their overlap limit (`xla_baseline.offloaded_seconds`)."""
+  XLA's, are priced at their overlap limit, or for a forward-pass site (`forward`) with
+  its activations' collectives waited on (`xla_baseline.offloaded_seconds`)."""
   if offloaded and algorithm in ("collective", "meshslice"):
     return float(xla_baseline.offloaded_seconds(problem, dataflow, profile, terms, offloaded,
-                                                algorithm, ksplit))
+                                                algorithm, ksplit, forward=forward))
   if terms is not None:
     return float(xla_baseline.compiled_seconds(problem, algorithm, dataflow, ksplit,
                                                profile, terms))
@@ -143,7 +144,8 @@ def predict(problem, profile, algorithm, dataflow, ksplit, terms=None,
 
 
 def xla_program(problem, profile, dataflow, baseline, terms,
-                windowed_off=frozenset(), offloaded=frozenset()) -> xla_baseline.XlaProgram:
+                windowed_off=frozenset(), offloaded=frozenset(),
+                forward=False) -> xla_baseline.XlaProgram:
   """XLA's own program for the site under `baseline` ("windowed" or "dense"). Windowed
   einsum loops an all-gather or a reduce-scatter, never an all-reduce, so an all-reduce
   site gets XLA's dense program either way; nor does it fire for a collective the
@@ -151,7 +153,8 @@ def xla_program(problem, profile, dataflow, baseline, terms,
   "reduce_scatter"}, `backend_flags.windowed_einsum_off`), which XLA then runs dense.
   When the flags offload collectives to the SparseCore (`offloaded`, v5p / v6e:
   `backend_flags.sparse_core_offload`), XLA's dense program runs the offloaded ones
-  beside its compute (`xla_baseline.offloaded_seconds`).
+  beside its compute (`xla_baseline.offloaded_seconds`; `forward`: a forward-pass site,
+  whose activations' collectives are waited on).
 
   Example:
     >>> from meshslice.costmodel import GemmProblem, load_profile
@@ -171,7 +174,8 @@ def xla_program(problem, profile, dataflow, baseline, terms,
       baseline = "dense"
   xla = xla_baseline.xla_seconds(problem, dataflow, profile, terms, baseline)
   if offloaded and not xla.windowed:
-    seconds = xla_baseline.offloaded_seconds(problem, dataflow, profile, terms, offloaded)
+    seconds = xla_baseline.offloaded_seconds(problem, dataflow, profile, terms, offloaded,
+                                             forward=forward)
     names = [k.replace("_", "-") + "s" for k in sorted(offloaded)]
     kinds = " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
     return xla_baseline.XlaProgram(
@@ -235,7 +239,7 @@ NO_PLAN_FITS = "no plan fits HBM"
 
 
 def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None,
-           offloaded=frozenset()) -> PlanChoice:
+           offloaded=frozenset(), forward=False) -> PlanChoice:
   """Among the candidates that fit the chip's memory (`costmodel.why_too_big` with the
   profile's HBM capacity; a profile without one excludes nothing), the one with the
   fewest slices (candidate order: collective, then meshslice by ascending ksplit) whose
@@ -245,7 +249,7 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None,
   candidate can run the problem.
 
   `ksplits` are the slice counts the site's geometry can realise exactly; the cost
-  model is asked only about those; `offloaded` is `predict`'s.
+  model is asked only about those; `offloaded` and `forward` are `predict`'s.
 
   Example:
     >>> from meshslice.costmodel import GemmProblem, load_profile
@@ -269,8 +273,8 @@ def choose(problem, profile, dataflow, *, algorithms, ksplits, terms=None,
       if why:
         too_big.setdefault(same(algorithm, ksplit), why)
         continue
-      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit, terms, offloaded),
-                     len(ranked), algorithm, ksplit))
+      ranked.append((predict(problem, profile, algorithm, dataflow, ksplit, terms, offloaded,
+                             forward), len(ranked), algorithm, ksplit))
   if not ranked and too_big:
     # the plan nearest to fitting says how far off the site is
     (algorithm, ksplit), why = min(too_big.items(), key=lambda item: costmodel.site_peak_bytes(

@@ -247,7 +247,9 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
   key = (swap is not None, dimension_numbers, lhs.aval.shape, str(lhs.aval.dtype),
          rhs.aval.shape, str(rhs.aval.dtype), str(out.aval.dtype), lhs_spec, rhs_spec,
          out_demand, request, eqn.params.get("precision"),
-         str(eqn.params.get("preferred_element_type")))
+         str(eqn.params.get("preferred_element_type")),
+         # under SparseCore offload a forward site is priced differently (`_plan_match`)
+         base["direction"])
   same = ctx.decided.get(key)
   if same is not None:
     return dataclasses.replace(same, **{k: base[k] for k in _IDENTITY})
@@ -362,7 +364,8 @@ def _versus_xla(best, site, ctx, request, base):
   flags = backend_flags.flags_in_effect()
   xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms,
                             windowed_off=backend_flags.windowed_einsum_off(flags),
-                            offloaded=_offloaded(profile))
+                            offloaded=_offloaded(profile),
+                            forward=base["direction"] == "forward")
   collective = best.algorithm == "collective" or best.ksplit == 1
   too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
                                                           profile)
@@ -437,7 +440,9 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
   flow = costing.model_dataflow(match.dataflow)
   terms = getattr(ctx.options, "compiler_terms", None)
   offloaded = _offloaded(profile)
-  baseline = costing.predict(problem, profile, "collective", flow, 1, terms, offloaded)
+  forward = base["direction"] == "forward"
+  baseline = costing.predict(problem, profile, "collective", flow, 1, terms, offloaded,
+                             forward)
   site = Site(rewritten=True, algorithm="collective", ksplit=1, block=geometry.block_size(1),
               baseline_seconds=baseline, predicted_seconds=baseline, problem=problem,
               profile=profile, **base, **decided)
@@ -446,7 +451,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
   if request.ksplit is not None or algorithm not in (None, "meshslice", "collective"):
     algorithm = algorithm or "meshslice"
     ksplit, note = _requested_ksplit(algorithm, geometry, request, site)
-    seconds = costing.predict(problem, profile, algorithm, flow, ksplit, terms, offloaded)
+    seconds = costing.predict(problem, profile, algorithm, flow, ksplit, terms, offloaded,
+                              forward)
     # a pinned plan is the user's call: kept, but said when it will not fit
     too_big = costmodel.why_too_big(problem, algorithm, flow, ksplit, profile)
     note = _join(note, too_big and f"the requested plan does not fit HBM: {too_big}")
@@ -457,7 +463,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
         algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms,
-        offloaded=offloaded)
+        offloaded=offloaded, forward=forward)
     if algorithm is None:     # every candidate is too big for the chip
       return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
                                  block=None, predicted_seconds=None, reason=note)

@@ -118,8 +118,8 @@ def test_thin_margins_go_to_fewer_slices_and_are_reported(monkeypatch):
   from meshslice import costing, costmodel
   problem = costmodel.GemmProblem(m=4096, n=4096, k=4096, rows=2, cols=4)
   times = {("collective", 1): 1.000, ("meshslice", 2): 0.990, ("meshslice", 4): 0.900}
-  monkeypatch.setattr(costing, "predict", lambda p, prof, alg, flow, k, terms=None, offloaded=():
-                      times[(alg, k)])
+  monkeypatch.setattr(costing, "predict", lambda p, prof, alg, flow, k, terms=None, offloaded=(),
+                      forward=False: times[(alg, k)])
 
   def pick():
     return costing.choose(problem, None, "os", algorithms=("collective", "meshslice"),

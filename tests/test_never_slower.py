@@ -268,6 +268,31 @@ def test_offloaded_dense_program_is_the_sites_overlap_limit():
         sum(op.seconds for op in ops))
 
 
+def test_offloaded_forward_site_waits_on_its_activations_collectives():
+  # a forward site: X's gather (before the dot) and Y's reduce-scatter (after it) are
+  # waited on, only W's gather hides under the compute (by hand, per dataflow)
+  from meshslice.costmodel import GemmProblem, load_profile, schedule
+  v5p = load_profile("tpu-v5p")
+  p = GemmProblem(m=65536, n=8192, k=8192, rows=8, cols=8)
+  every = {"all_gather", "reduce_scatter", "all_reduce"}
+  for flow, waited in (("os", ["all_gather X slice"]), ("ls", ["reduce_scatter Y slice"]),
+                       ("rs", ["all_gather X slice", "reduce_scatter Y slice"])):
+    ops = [op for st in schedule(p, "collective", flow, 1, v5p).stages for op in st.ops]
+    assert sorted(op.name for op in ops if op.stream != "compute" and op.name.split()[1] != "W") \
+        == waited
+    compute = sum(op.seconds for op in ops if op.stream == "compute")
+    weight = [op.seconds for op in ops if op.name.split()[1:2] == ["W"]]
+    exposed = sum(op.seconds for op in ops if op.name in waited)
+    forward = xla_baseline.offloaded_seconds(p, flow, v5p, None, every, forward=True)
+    assert forward == pytest.approx(max([compute, *weight]) + exposed)
+    assert forward > xla_baseline.offloaded_seconds(p, flow, v5p, None, every)
+    # the planner asks for it on forward sites, for XLA's program and the rewrite's alike
+    assert costing.predict(p, v5p, "collective", flow, 1, None, every, True) == forward
+    assert costing.xla_program(p, v5p, flow, "dense", None, offloaded=every,
+                               forward=True).seconds == pytest.approx(
+        min(forward, xla_baseline.xla_seconds(p, flow, v5p, None, "dense").seconds))
+
+
 def test_sparse_core_offload_flags_are_read_per_generation_and_collective():
   read = backend_flags.sparse_core_offload
   every = {"all_gather", "reduce_scatter", "all_reduce"}

@@ -181,7 +181,7 @@ def test_planner_leaves_a_site_to_xla_when_its_program_is_predicted_faster(monke
                                  description="windowed einsum (a ring over 8 devices)")
   asked = []
   def xla_program(problem, profile, dataflow, baseline, terms, windowed_off=frozenset(),
-                  offloaded=frozenset()):
+                  offloaded=frozenset(), forward=False):
     asked.append(baseline)
     return fast if baseline == "windowed" else dataclasses.replace(
         fast, windowed=False, description="dense program")
