@@ -307,7 +307,8 @@ def exposed_lines(records, top: int = 3) -> list:
     if groups:
       parts = ", ".join(f"{label}: {seconds * 1e3:.2f} ms ({count}x)"
                         for label, seconds, count in groups[:top])
-      lines.append(f"- {r['model']} {'x'.join(map(str, r['mesh']))} {r['variant']}: {parts}")
+      lines.append(f"- {r['model']} {r.get('generation') or ''} {r['chips']} chips "
+                   f"{'x'.join(map(str, r['mesh']))} {r['variant']}: {parts}")
   return lines
 
 

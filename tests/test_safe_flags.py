@@ -180,7 +180,7 @@ def test_bench_tpu_aot_flags_and_headline():
   # where each program's exposed time goes (`AotResult.row()["exposed_by"]`, seconds)
   records[3]["exposed_by"] = [["async all-gather n=4 link 1", 4e-4, 3],
                               ["sync all-reduce n=8 link 0", 1e-4, 1]]
-  assert ("- gpt3 2x4 dense_async: async all-gather n=4 link 1: 0.40 ms (3x), sync "
+  assert ("- gpt3 v4 8 chips 2x4 dense_async: async all-gather n=4 link 1: 0.40 ms (3x), sync "
           "all-reduce n=8 link 0: 0.10 ms (1x)") in tpu_aot.markdown(records).splitlines()
   records += [dict(other, variant="dense", **_row(2.5))]
   row, = tpu_aot.summary(records)
