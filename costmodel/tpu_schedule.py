@@ -1243,7 +1243,8 @@ def _run(entries, state, profile, clock_hz, axis_dims=None):
       state["comm"] += seconds
       wait = Wait(name=e.name, collective=e.collective, sync=e.kind == "collective",
                   group_size=e.group_size, link=e.link, bytes=e.bytes, seconds=seconds,
-                  waited_s=end - state["t"],
+                  # an async pair's wait is known only at its done
+                  waited_s=end - state["t"] if e.kind == "collective" else 0.0,
                   between_s=0.0 if e.kind == "collective" else e.between_cycles / clock_hz)
       if e.kind == "collective":
         state["sync"] += seconds

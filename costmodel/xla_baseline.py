@@ -395,9 +395,9 @@ def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProf
 
   Measured in XLA's dense program for GPT-3 on 256 v6e chips (64x4): every forward
   activation gather is waited on as soon as it is issued; the weights' gathers hide.
-  Sliced, they do not pipeline either (libtpu runs one offloaded collective at a time
-  there), so slicing still only adds compute; what pays is a dataflow whose
-  activations move fewer bytes."""
+  Sliced, they do not pipeline either (there libtpu issued each offloaded collective only
+  after the previous one was done), so slicing still only adds compute; what pays is a
+  dataflow whose activations move fewer bytes."""
   sched = schedule(problem, algorithm, dataflow, ksplit, profile)
   slices = ksplit if algorithm == "meshslice" else 1
   flops = problem.flops / (problem.rows * problem.cols) / slices

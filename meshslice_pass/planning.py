@@ -289,11 +289,12 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # Under SparseCore offload XLA's program hides a collective wherever independent work
   # can run beside it. In the backward pass the data- and weight-gradient matmuls of a
   # layer are independent, so the layout's collectives are hidden already and reshards
-  # predicted to win there lost when compiled (GPT-3 on 256 v6e chips, four such sites:
-  # 0.96x). In the forward pass each matmul feeds the next: its collectives are waited
-  # on, and a reshard that moves fewer bytes wins (the MLP down-projection as ls: 1.06x
-  # on v6e, 1.03x on v5p; docs/benchmarks.md). So under offload only forward sites
-  # reshard on their own; a pinned dataflow always may.
+  # predicted to win there lost when compiled (GPT-3 on 256 v6e chips: the forward
+  # reshard alone 82.70 ms, with one backward reshard 83.29, with all five 91.18). In
+  # the forward pass each matmul feeds the next: its collectives are waited on, and a
+  # reshard that moves fewer bytes wins (the MLP down-projection as ls: 1.06x on v6e,
+  # 1.03x on v5p; docs/benchmarks.md). So under offload only forward sites reshard on
+  # their own; a pinned dataflow always may.
   automatic = ctx.options.relayout and (
       site.profile is None or not _offloaded(site.profile)
       or base["direction"] == "forward")
