@@ -46,15 +46,18 @@ def handler(*kinds):
 class Emitter:
   """Evaluates a traced program with the planned sites rewritten."""
 
-  def __init__(self, sites, mesh, nest_sites=True):
+  def __init__(self, sites, mesh, nest_sites=True, hold_gathers="auto"):
     self.mesh = mesh
-    # The weight-gradient tie (`_gathers_wait`) pays on the CPU compiler only; on TPU it
-    # costs memory and compute (see `_holds_gathers_back`).
-    self.ties_gathers = target_platform(mesh) == "cpu"
-    # So does running each pipelined site as its own computation (`_nests`); not when
-    # the program may be transformed further (`nest_sites` False): JAX 0.10.2 fails to
-    # differentiate a `cond` inside a shard_map under vmap(spmd_axis_name=...).
-    self.nests_pipelines = self.ties_gathers and nest_sites
+    on_cpu = target_platform(mesh) == "cpu"
+    # The weight-gradient tie (`_gathers_wait`): by default on the CPU compiler only
+    # (see `_holds_gathers_back`); the `hold_gathers` option forces it on or off.
+    self.hold_gathers = hold_gathers
+    self.ties_gathers = on_cpu if hold_gathers == "auto" else bool(hold_gathers)
+    # Running each pipelined site as its own computation (`_nests`) pays on the CPU
+    # compiler only; not when the program may be transformed further (`nest_sites`
+    # False): JAX 0.10.2 fails to differentiate a `cond` inside a shard_map under
+    # vmap(spmd_axis_name=...).
+    self.nests_pipelines = on_cpu and nest_sites
     self._traced = {}
     self._bodies = {}
     self.plans = {s.path: s for s in sites if s.rewritten}
@@ -68,6 +71,8 @@ class Emitter:
 
   def _ties(self, site) -> bool:
     """Whether `site`'s gathers wait for its other operand (`_gathers_wait`)."""
+    if self.hold_gathers is True:
+      return site.swapped
     return self.ties_gathers and _holds_gathers_back(site)
 
   def _nests(self, site) -> bool:

@@ -7,6 +7,8 @@ copy stays live until its backward: temp memory grew with depth (1.27x plain jit
 unrolled layers). `rewrites.slicing.not_before` ties the gathered operand to the other one,
 bit for bit.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,3 +173,44 @@ def test_without_the_tie_the_hoisted_gathers_cost_memory(monkeypatch):
   temp = meshslice.transform(jitted).lower(params, x).compile().memory_analysis(
   ).temp_size_in_bytes
   assert temp > plain_temp, (temp, plain_temp)
+
+
+def _scanned_step(params, x):
+  def scanned_loss(params, x):
+    block = jax.checkpoint(lambda x, w: (x + jnp.tanh(x @ w[0]) @ w[1], None))
+    return jnp.mean(jnp.square(jax.lax.scan(block, x, (params["w1"], params["w2"]))[0]))
+
+  step = jax.jit(jax.value_and_grad(scanned_loss),
+                 in_shardings=(jax.tree.map(lambda a: a.sharding, params), x.sharding))
+  return scanned_loss, step
+
+
+def test_hold_gathers_true_ties_weight_gradients_inside_a_scan_body_too():
+  """`hold_gathers=True` ties every weight gradient, loop bodies included (on TPU it cut
+  libtpu's peak for tune's GPT-3 plan at 256 chips: docs/benchmarks.md); values and
+  gradients stay those of the original and of an unsharded run."""
+  _, params, x = _setup(layers=2)
+  scanned_loss, step = _scanned_step(params, x)
+  fast = meshslice.transform(step, hold_gathers=True)
+  weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
+  assert weight_grads and all("scan" in s.context.split(" > ") for s in weight_grads)
+  assert _tied_gathers(fast, params, x) == len(weight_grads)
+  assert _tied_gathers(meshslice.transform(step), params, x) == 0
+  out = fast(params, x)
+  assert_trees_close(out, step(params, x))
+  host = jax.tree.map(np.asarray, params)
+  assert_trees_close(out, jax.jit(jax.value_and_grad(scanned_loss))(host, np.asarray(x)))
+
+
+def test_hold_gathers_false_never_ties():
+  jitted, params, x = _setup(layers=1)
+  fast = meshslice.transform(jitted, hold_gathers=False)
+  assert [s for s in fast.explain(params, x).rewritten if s.swapped]
+  assert _tied_gathers(fast, params, x) == 0
+
+
+@pytest.mark.parametrize("value", ["always", 1, None])
+def test_hold_gathers_rejects_anything_but_auto_true_false(value):
+  with pytest.raises(ValueError, match=re.escape(
+      f"hold_gathers must be 'auto', True or False, got {value!r}")):
+    meshslice.transform(lambda x: x, hold_gathers=value)
