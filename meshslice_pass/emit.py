@@ -46,13 +46,12 @@ def handler(*kinds):
 class Emitter:
   """Evaluates a traced program with the planned sites rewritten."""
 
-  def __init__(self, sites, mesh, nest_sites=True, hold_gathers="auto"):
+  def __init__(self, sites, mesh, nest_sites=True):
     self.mesh = mesh
     on_cpu = target_platform(mesh) == "cpu"
     # The weight-gradient tie (`_gathers_wait`): by default on the CPU compiler only
-    # (see `_holds_gathers_back`); the `hold_gathers` option forces it on or off.
-    self.hold_gathers = hold_gathers
-    self.ties_gathers = on_cpu if hold_gathers == "auto" else bool(hold_gathers)
+    # (see `_holds_gathers_back`); a site's `hold_gathers` (option or pin) decides it.
+    self.ties_gathers = on_cpu
     # Running each pipelined site as its own computation (`_nests`) pays on the CPU
     # compiler only; not when the program may be transformed further (`nest_sites`
     # False): JAX 0.10.2 fails to differentiate a `cond` inside a shard_map under
@@ -71,8 +70,8 @@ class Emitter:
 
   def _ties(self, site) -> bool:
     """Whether `site`'s gathers wait for its other operand (`_gathers_wait`)."""
-    if self.hold_gathers is True:
-      return site.swapped
+    if site.hold_gathers is not None:
+      return site.hold_gathers and site.swapped
     return self.ties_gathers and _holds_gathers_back(site)
 
   def _nests(self, site) -> bool:
@@ -257,8 +256,12 @@ def _heads_reshape(jaxpr, i, site, users, axis_sizes):
 
 
 def _holds_gathers_back(site) -> bool:
-  """Whether `site`'s gathers wait for its other operand (`_gathers_wait`), when the
-  target is the CPU compiler: weight gradients (swapped sites) outside loop bodies.
+  """Whether `site`'s gathers wait for its other operand (`_gathers_wait`) by default
+  (option hold_gathers="auto"), when the target is the CPU compiler: weight gradients
+  (swapped sites) outside loop bodies. The option or a pin decides otherwise: on tune's
+  GPT-3 plan at 256 v4 chips (64x4), holding every weight gradient back inside the scan
+  cut libtpu's peak 4.98 -> 4.03 GiB for +2.3 % step (docs/benchmarks.md), so the
+  measurements below hold for the plans they were taken on, not every plan.
 
   Inside a `scan` / `while` body a hoisted gather stays within its iteration, and there
   the tie costs more than it saves: on the TPU compiler (scanned GPT-3 and Megatron-NLG

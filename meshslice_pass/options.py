@@ -84,6 +84,7 @@ class Options:
       weight gradient, and the gathered copy stays live through the attention backward.
       Measured on 256 v4 chips (64x4, GPT-3 layer, tune's plan): libtpu's peak 4.98 ->
       4.03 GiB (0.92x XLA's), step 157.5 -> 161.0 ms (docs/benchmarks.md). False: never.
+      Also a per-site pin key (True / False); a saved plan records it where set.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None
@@ -205,11 +206,13 @@ class Options:
     for key, value in overrides.items():
       if _key_kind(key) == "index" and key == index:
         take(value, f"overrides[{key!r}]")
+    hold = pin.get("hold_gathers", self.hold_gathers)
     return SiteRequest(
         rewrite=pin.get("rewrite"), dataflow=pin.get("dataflow"),
         algorithm=pin.get("algorithm", self.algorithm),
         ksplit=pin.get("ksplit", self.ksplit),
         reduce_scatter=pin.get("reduce_scatter", self.reduce_scatter),
+        hold_gathers=None if hold == "auto" else hold,
         strict=self.strict or bool({"algorithm", "ksplit"} & set(pin)),
         origin=tuple(sorted(origin.items())))
 
@@ -227,6 +230,8 @@ class SiteRequest:
   dataflow: str | None = None
   ksplit: int | None = None
   reduce_scatter: str | None = None
+  # True / False pinned or set globally; None: the emitter's default rule ("auto")
+  hold_gathers: bool | None = None
   strict: bool = False
   # not compared: sites with the same request share one planning decision
   origin: tuple = dataclasses.field(default=(), compare=False)

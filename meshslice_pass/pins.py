@@ -8,7 +8,7 @@ Example:
   Traceback (most recent call last):
   ...
   meshslice.errors.PinError: overrides[3] has unknown key 'slices'; allowed: algorithm, dataflow,
-  ksplit, rewrite, reduce_scatter
+  ksplit, rewrite, reduce_scatter, hold_gathers
   >>> validate_pin("overrides[3]", {"ksplit": 0})
   Traceback (most recent call last):
   ...
@@ -24,7 +24,7 @@ from meshslice.rewrites.scatter import SCATTER_FORMS
 
 from .errors import PinError
 
-PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite", "reduce_scatter")
+PIN_KEYS = ("algorithm", "dataflow", "ksplit", "rewrite", "reduce_scatter", "hold_gathers")
 
 
 def _did_you_mean(value, choices) -> str:
@@ -66,8 +66,8 @@ def validate_reduce_scatter(value, name: str = "reduce_scatter") -> None:
 
 
 def validate_pin(where: str, pin) -> None:
-  """A per-site pin {algorithm, dataflow, ksplit, rewrite, reduce_scatter}; `where` names
-  it in errors."""
+  """A per-site pin {algorithm, dataflow, ksplit, rewrite, reduce_scatter, hold_gathers};
+  `where` names it in errors."""
   if not isinstance(pin, dict):
     raise PinError(f"{where} must be a dict with keys from {', '.join(PIN_KEYS)}, got "
                    f"{type(pin).__name__}")
@@ -83,5 +83,6 @@ def validate_pin(where: str, pin) -> None:
     raise PinError(f"{where}: dataflow must be one of 'os', 'ls', 'rs', got "
                    f"{pin['dataflow']!r}{_did_you_mean(pin['dataflow'], ('os', 'ls', 'rs'))}")
   validate_reduce_scatter(pin.get("reduce_scatter"), f"{where}: reduce_scatter")
-  if "rewrite" in pin and not isinstance(pin["rewrite"], bool):
-    raise PinError(f"{where}: rewrite must be True or False, got {pin['rewrite']!r}")
+  for name in ("rewrite", "hold_gathers"):
+    if name in pin and not isinstance(pin[name], bool):
+      raise PinError(f"{where}: {name} must be True or False, got {pin[name]!r}")

@@ -19,8 +19,8 @@ from .pins import validate_algorithm, validate_count, validate_pin, validate_red
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
-             "ksplit": (int, type(None)), "rewrite": bool, "module": str,
-             "reduce_scatter": (str, type(None)),
+             "ksplit": (int, type(None)), "rewrite": (bool,), "module": (str,),
+             "reduce_scatter": (str, type(None)), "hold_gathers": (bool,),
              "predicted_seconds": (float, int, type(None)),
              "baseline_seconds": (float, int, type(None))}
 VERSION = 1
@@ -52,6 +52,8 @@ class Plan:
       # written only when set, so plans of the default form stay byte-identical
       if s.rewritten and getattr(s, "reduce_scatter", None):
         entry["reduce_scatter"] = s.reduce_scatter
+      if s.rewritten and getattr(s, "hold_gathers", None) is not None:
+        entry["hold_gathers"] = s.hold_gathers
       for name in ("predicted_seconds", "baseline_seconds"):
         value = getattr(s, name, None)
         if value is not None:
@@ -121,7 +123,7 @@ class Plan:
   # -- editing and applying
   def edit(self, index: int, **pin) -> "Plan":
     """A copy with site `index` pinned: algorithm=, dataflow=, ksplit=, rewrite=,
-    reduce_scatter=."""
+    reduce_scatter=, hold_gathers=."""
     where = f"Plan.edit(site {index!r})"
     for name, value in pin.items():
       if value is None:
@@ -159,6 +161,8 @@ class Plan:
           # a site without a recorded form was planned with one reduce-scatter: so it
           # stays, whatever "auto" would pick under other flags
           pin.setdefault("reduce_scatter", "reduce_scatter")
+        if "hold_gathers" in entry:             # a bool: False is a pin too
+          pin["hold_gathers"] = entry["hold_gathers"]
         return pin
     return {}
 

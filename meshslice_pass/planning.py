@@ -70,6 +70,9 @@ class Site:
   block: int | None = None
   # the form of an ls / rs site's reduce-scatter when not one collective ("all_to_all")
   reduce_scatter: str | None = None
+  # whether a weight gradient's gathers wait for its cotangent (option / pin hold_gathers);
+  # None: the emitter's default rule (`emit._holds_gathers_back`)
+  hold_gathers: bool | None = None
   mesh_axes: tuple = ()
   reason: str = ""
   note: str = ""
@@ -253,10 +256,25 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
   same = ctx.decided.get(key)
   if same is not None:
     return dataclasses.replace(same, **{k: base[k] for k in _IDENTITY})
-  site = _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
-                 rhs_spec, out_demand, index)
+  site = _hold_gathers(_decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out,
+                                lhs_spec, rhs_spec, out_demand, index), request)
   ctx.decided[key] = site
   return site
+
+
+def _hold_gathers(site, request):
+  """`site` with the hold_gathers request applied: only a rewritten weight gradient (a
+  swapped site) gathers an operand that is ready long before the other; a pin that
+  cannot apply is said in the note (the global option is for the sites it applies to)."""
+  if request.hold_gathers is None or not site.rewritten:
+    return site
+  if site.swapped:
+    return dataclasses.replace(site, hold_gathers=request.hold_gathers)
+  if not request.pinned_by("hold_gathers"):
+    return site
+  return dataclasses.replace(site, note=_join(site.note, (
+      f"{_pinned_by(request, 'hold_gathers')}hold_gathers={request.hold_gathers!r} not "
+      "used: only weight gradients (sites with swapped operands) hold their gathers back")))
 
 
 # What differs between two sites with the same decision.

@@ -111,6 +111,8 @@ class Report:
         plan = f"{s.algorithm} {s.dataflow} S={s.ksplit} {axes}"
         if getattr(s, "reduce_scatter", None):
           plan += f" rs={s.reduce_scatter}"
+        if getattr(s, "hold_gathers", None):
+          plan += " held"
       else:
         plan = "left alone"
       rows.append((str(s.index), s.source, getattr(s, "module", ""), s.direction[:3],

@@ -101,10 +101,11 @@ def _sliced(report, plan, request: SlicedSites):
 
 
 def _decisions(plan) -> tuple:
-  """What a frozen plan compiles: per site, left alone or (algorithm, dataflow, ksplit)."""
+  """What a frozen plan compiles: per site, left alone or (algorithm, dataflow, ksplit,
+  reduce-scatter form, gathers held)."""
   return tuple((e["index"], None if e.get("rewrite") is False
                 else (e.get("algorithm"), e.get("dataflow"), e.get("ksplit"),
-                      e.get("reduce_scatter")))
+                      e.get("reduce_scatter"), e.get("hold_gathers")))
                for e in plan.sites)
 
 

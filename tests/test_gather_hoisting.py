@@ -214,3 +214,34 @@ def test_hold_gathers_rejects_anything_but_auto_true_false(value):
   with pytest.raises(ValueError, match=re.escape(
       f"hold_gathers must be 'auto', True or False, got {value!r}")):
     meshslice.transform(lambda x: x, hold_gathers=value)
+
+
+def test_hold_gathers_as_a_site_pin_holds_that_site_only_and_a_plan_keeps_it():
+  """A pin holds one weight gradient back (what tune may choose per site); the report
+  says `held`, the saved plan records it, and applying the plan emits the same ties. A
+  pin on a site whose operands are not swapped is not used, and the note says so."""
+  _, params, x = _setup(layers=2)
+  _, step = _scanned_step(params, x)
+  report = meshslice.transform(step).explain(params, x)
+  weight_grads = [s.index for s in report.rewritten if s.swapped]
+  forward = next(s.index for s in report.rewritten if not s.swapped)
+  pinned = meshslice.transform(step, overrides={weight_grads[0]: {"hold_gathers": True},
+                                                forward: {"hold_gathers": True}})
+  pinned_report = pinned.explain(params, x)
+  by_index = {s.index: s for s in pinned_report.sites}
+  assert by_index[weight_grads[0]].hold_gathers is True
+  assert all(by_index[i].hold_gathers is None for i in weight_grads[1:])
+  assert by_index[forward].hold_gathers is None
+  assert (f"overrides[{forward}]: hold_gathers=True not used: only weight gradients "
+          "(sites with swapped operands) hold their gathers back") in by_index[forward].note
+  assert " held" in str(pinned_report)
+  assert _tied_gathers(pinned, params, x) == 1
+  plan = meshslice.Plan.from_json(pinned_report.plan.to_json())
+  held = [e["index"] for e in plan.sites if e.get("hold_gathers")]
+  assert held == [weight_grads[0]]
+  assert _tied_gathers(meshslice.transform(step, plan=plan), params, x) == 1
+  # edited back off: a False pin overrides the global option
+  off = meshslice.transform(step, plan=plan.edit(weight_grads[0], hold_gathers=False),
+                            hold_gathers=True)
+  assert _tied_gathers(off, params, x) == len(weight_grads) - 1
+  assert_trees_close(pinned(params, x), step(params, x))

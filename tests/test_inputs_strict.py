@@ -202,7 +202,9 @@ def test_older_files_without_optional_fields_still_load(tmp_path):
      "overrides[0]: dataflow must be one of 'os', 'ls', 'rs', got 'LS'; did you mean 'ls'?"),
     ({0: {"kslpit": 2}},
      "overrides[0] has unknown key 'kslpit' (did you mean 'ksplit'?); allowed: algorithm, "
-     "dataflow, ksplit, rewrite, reduce_scatter"),
+     "dataflow, ksplit, rewrite, reduce_scatter, hold_gathers"),
+    ({0: {"hold_gathers": "yes"}},
+     "overrides[0]: hold_gathers must be True or False, got 'yes'"),
 ])
 def test_every_override_error_names_its_key(overrides, message):
   with pytest.raises(ValueError) as e:

@@ -48,6 +48,21 @@ def test_plan_round_trips_and_applies(tmp_path):
   assert alone.sites[1].reason == "left alone as requested (override or plan)"
 
 
+def test_edited_plans_with_bool_pins_save_and_load(tmp_path):
+  """rewrite=False (what every plan of `meshslice.tune` holds) and hold_gathers survive
+  the JSON round trip and apply the same after it."""
+  f, args = _program()
+  plan = meshslice.explain(f)(*args).plan.edit(1, rewrite=False).edit(2, hold_gathers=True)
+  path = tmp_path / "plan.json"
+  plan.save(str(path))
+  loaded = meshslice.Plan.load(str(path))
+  assert loaded == plan
+  assert loaded.pin_for(1) == {"rewrite": False}
+  assert loaded.pin_for(2)["hold_gathers"] is True
+  assert meshslice.explain(f, plan=loaded)(*args).sites[1].reason == (
+      "left alone as requested (override or plan)")
+
+
 def test_malformed_and_mismatched_plans(tmp_path):
   f, args = _program()
   bad = tmp_path / "bad.json"
