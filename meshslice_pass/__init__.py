@@ -9,8 +9,8 @@ from .plan import Plan
 from .planning import Site
 from .report import Report
 from .transform import Transformed, explain, transform
-from .tune import SlicedSites, tune
+from .tune import HeldGathers, SlicedSites, tune
 
-__all__ = ["CheckResult", "Options", "Plan", "Report", "Site", "SlicedSites", "Transformed",
-           "check", "explain", "transform", "tune"]
+__all__ = ["CheckResult", "HeldGathers", "Options", "Plan", "Report", "Site", "SlicedSites",
+           "Transformed", "check", "explain", "transform", "tune"]
 __version__ = "0.1.0"

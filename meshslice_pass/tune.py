@@ -21,13 +21,16 @@ Candidates ({name: transform options}, `CANDIDATES`): "xla" (always added), "def
 (the default plan: its reduce-scatter form "auto"), "collective" (one reduce-scatter
 per site), "collective+all_to_all" (its reduce-scatters as an all-to-all and a local
 sum), "ksplit=2", "ksplit=4", and "collective+all_to_all, ls ksplit=2" (that plan with
-only its ls sites sliced, `SlicedSites`). The plan is a deterministic
+only its ls sites sliced, `SlicedSites`), and that plan with every weight gradient's
+gathers held back (`HeldGathers`, for a memory budget: `max_peak`). The plan is a deterministic
 function of the program, the mesh, the candidates and the libtpu in use: nothing runs on
 a device, nothing is timed.
 """
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import numbers
 import os
 from typing import TYPE_CHECKING
 
@@ -56,6 +59,27 @@ class SlicedSites:
   ksplit: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldGathers:
+  """A candidate made from an earlier candidate's plan: its rewritten weight gradients
+  (sites with swapped operands) hold their gathers back until their cotangent exists
+  (the `hold_gathers` pin), all of them or those whose module path matches one of
+  `modules` (fnmatch patterns); every other site as that plan has it.
+
+  It trades step time for memory, which `tune(max_peak=...)` lets a user ask for.
+  Measured on GPT-3 at 256 v4 chips (64x4, one layer, dense + async + all-to-all flags,
+  libtpu 0.0.42.1), on "collective+all_to_all, ls ksplit=2" (157.46 ms, libtpu peak
+  4.98 GiB; XLA's program 4.40): all six held 161.01 ms, 4.03 GiB; only `*w_up` 158.90
+  ms, 4.84 GiB; only the three of `*w[qkv]` 159.29 ms, 4.17 GiB (docs/benchmarks.md).
+
+  >>> HeldGathers("collective", ("*w_up",)).modules
+  ('*w_up',)
+  """
+
+  base: str
+  modules: tuple = ()
+
+
 CANDIDATES = {
     "default": {},
     # the form spelled out: "auto" would follow the libtpu flags
@@ -65,6 +89,9 @@ CANDIDATES = {
     "ksplit=2": {"algorithm": "meshslice", "ksplit": 2},
     "ksplit=4": {"algorithm": "meshslice", "ksplit": 4},
     "collective+all_to_all, ls ksplit=2": SlicedSites("collective+all_to_all", "ls", 2),
+    # for a peak budget (max_peak): the plan above with every weight gradient held back
+    "collective+all_to_all, ls ksplit=2, gathers held":
+        HeldGathers("collective+all_to_all, ls ksplit=2"),
 }
 
 
@@ -100,6 +127,25 @@ def _sliced(report, plan, request: SlicedSites):
   return plan if sites else None
 
 
+def _held(report, plan, request: HeldGathers):
+  """`plan` with its rewritten weight gradients (those `request.modules` match, or all)
+  holding their gathers back; None when no site is."""
+  swapped = {s.index for s in report.sites if s.swapped}
+  indexes = [e["index"] for e in plan.sites
+             if e["index"] in swapped and e["rewritten"] and e.get("rewrite") is not False
+             and (not request.modules or any(fnmatch.fnmatchcase(e.get("module", ""), m)
+                                             for m in request.modules))]
+  for index in indexes:
+    plan = plan.edit(index, hold_gathers=True)
+  return plan if indexes else None
+
+
+def _peak(candidate) -> int:
+  """libtpu's peak for the candidate's program, or the bytes formula where it gives none."""
+  result = candidate.result
+  return result.libtpu_peak_bytes or result.peak_bytes
+
+
 def _decisions(plan) -> tuple:
   """What a frozen plan compiles: per site, left alone or (algorithm, dataflow, ksplit,
   reduce-scatter form, gathers held)."""
@@ -116,30 +162,39 @@ def _generation(mesh):
 
 
 def tune(step, *args, mesh, topology: str | None = None, candidates=None,
-         profile: str | None = None, echo=None, results: dict | None = None):
+         profile: str | None = None, echo=None, results: dict | None = None,
+         max_peak: float | None = None):
   """The fastest of the candidate plans for `step` on `mesh`, as a `meshslice.Plan`.
 
   step: the user's jitted step; args: its abstract arguments (ShapeDtypeStructs with
   shardings on `mesh`). mesh: a concrete `jax.sharding.Mesh` of TPU devices (e.g.
   `aot.make_mesh("v4:8x8x4", (64, 4))`), or a shape tuple with `topology`, in which
   case the arguments' shardings are moved onto that topology's mesh (same axis names
-  and specs). candidates: {name: meshslice.transform options, or a `SlicedSites` of an
-  earlier candidate} (default `CANDIDATES`);
+  and specs). candidates: {name: meshslice.transform options, or a `SlicedSites` or
+  `HeldGathers` of an earlier candidate} (default `CANDIDATES`);
   "xla" (every site left alone) is always compiled first and wins ties. profile: for
   planning and the simulator (default: the topology's generation). echo: a print-like
   callable for one line per candidate. results: a dict to receive {name: Candidate}.
+  max_peak: a memory budget, as a multiple of the "xla" program's peak per device
+  (libtpu's `peak_memory_in_bytes`), e.g. 1.10: only candidates within it are chosen
+  ("xla" always is). None: no budget.
 
   libtpu reads its flags once per process: set them before the first compile (when
   neither LIBTPU_INIT_ARGS is set nor libtpu loaded, the generation's async flags are
   set here, `aot.preset_flags("async", generation)`).
 
   Raises:
-    ValueError: the mesh is not a TPU mesh, or a candidate's options are invalid.
+    ValueError: the mesh is not a TPU mesh, a candidate's options are invalid, or
+      max_peak is not a positive number.
   """
   import jax
   from jax.sharding import Mesh, NamedSharding
   from . import aot
   from .transform import transform
+  if max_peak is not None and (isinstance(max_peak, bool) or not isinstance(
+      max_peak, numbers.Real) or not max_peak > 0):
+    raise ValueError("tune: max_peak must be a positive number (a multiple of XLA's "
+                     f"program's peak memory, e.g. 1.10) or None, got {max_peak!r}")
   if not isinstance(mesh, Mesh):
     if topology is None:
       raise ValueError("tune: mesh must be a concrete jax.sharding.Mesh of TPU devices "
@@ -162,18 +217,26 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   profile = profile or aot.GENERATIONS[generation].profile
   mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
   wanted = {"xla": None, **(CANDIDATES if candidates is None else candidates)}
-  out, reports = {}, {}
+  out, reports, skipped = {}, {}, set()
   for name, options in wanted.items():
-    if isinstance(options, SlicedSites):
+    if isinstance(options, (SlicedSites, HeldGathers)):
+      if options.base in skipped:                # its base made no program of its own
+        skipped.add(name)
+        continue
       if options.base not in reports:
-        raise ValueError(f"tune: candidate {name!r} slices the plan of {options.base!r}, "
+        verb = "slices" if isinstance(options, SlicedSites) else "holds the gathers of"
+        raise ValueError(f"tune: candidate {name!r} {verb} the plan of {options.base!r}, "
                          "which must be an earlier candidate")
-      plan = _sliced(reports[options.base], out[options.base].plan, options)
-      if plan is None:                           # no site to slice: nothing new to compile
+      # the same program's sites: a derived candidate derives from its base's report
+      report = reports[name] = reports[options.base]
+      derive = _sliced if isinstance(options, SlicedSites) else _held
+      plan = derive(report, out[options.base].plan, options)
+      if plan is None:                           # no site to change: nothing new to compile
+        skipped.add(name)
         continue
     elif options is not None and not isinstance(options, dict):
       raise ValueError(f"tune: candidate {name!r} must be a dict of meshslice.transform "
-                       f"options or a SlicedSites, got {options!r}")
+                       f"options, a SlicedSites or a HeldGathers, got {options!r}")
     else:
       with jax.set_mesh(mesh):
         report = reports[name] = transform(
@@ -196,13 +259,20 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
     if echo is not None:
       c = out[name]
       rewritten = sum(1 for e in c.plan.sites if e.get("rewrite") is not False)
-      echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  "
-           f"({rewritten} of {len(c.plan.sites)} sites rewritten)")
-  best = min(out.values(), key=lambda c: c.step_s)      # first (xla) wins ties
+      echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  peak "
+           f"{_peak(c) / 2**30:.2f} GiB  ({rewritten} of {len(c.plan.sites)} sites "
+           "rewritten)")
+  budget = None if max_peak is None else max_peak * _peak(out["xla"])
+  eligible = [c for c in out.values()
+              if budget is None or c.name == "xla" or _peak(c) <= budget]
+  best = min(eligible, key=lambda c: c.step_s)          # first (xla) wins ties
   if results is not None:
     results.update(out)
   if echo is not None:
     xla = out["xla"].step_s
-    echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program; flags: "
+    within = "" if budget is None else (
+        f"; {len(eligible)} of {len(out)} candidates within max_peak={max_peak:g}x XLA's "
+        f"peak, {budget / 2**30:.2f} GiB")
+    echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program{within}; flags: "
          f"{out['xla'].result.flags or '(libtpu defaults)'})")
   return best.plan

@@ -211,6 +211,49 @@ def test_tune_slices_only_the_sites_of_one_dataflow():
                    candidates={"sliced": meshslice.SlicedSites("collective", "ls", 2)})
 
 
+def _tune_gradient_problem():
+  """A forward matmul and its weight gradient (a swapped site) on v4:2x2x2 (2x4)."""
+  tpu, _, x, w = _tune_problem()
+  grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w).astype(jnp.float32))))
+  return tpu, grad, w, x
+
+
+def test_tune_holds_weight_gradient_gathers_and_keeps_a_peak_budget():
+  # HeldGathers: an earlier candidate's weight gradients hold their gathers back;
+  # max_peak: only candidates within that multiple of XLA's peak are chosen
+  tpu, f, w, x = _tune_gradient_problem()
+  candidates = {"collective": {"algorithm": "collective"},
+                "held": meshslice.HeldGathers("collective"),
+                "none held": meshslice.HeldGathers("collective", ("no/such/*",)),
+                "then sliced": meshslice.SlicedSites("none held", "os", 2)}
+  results, lines = {}, []
+  meshslice.tune(f, w, x, mesh=tpu, results=results, candidates=candidates,
+                 echo=lines.append)
+  # a pattern matching no weight gradient makes no candidate, nor does one built on it
+  assert list(results) == ["xla", "collective", "held"]
+  forward, weight_grad = results["held"].plan.sites
+  assert weight_grad["hold_gathers"] is True and "hold_gathers" not in forward
+  assert results["held"].result is not results["collective"].result
+  assert re.search(r"held +simulated step +[\d.]+ ms  peak [\d.]+ GiB", lines[2])
+  peak = {n: c.result.libtpu_peak_bytes for n, c in results.items()}
+  assert all(peak.values())
+  # a budget just under the fastest rewrite's peak: the fastest candidate within it
+  fastest = min(results.values(), key=lambda c: c.step_s)
+  assert fastest.name != "xla"
+  budget = 0.999 * peak[fastest.name] / peak["xla"]
+  within = [c for c in results.values() if c.name == "xla" or peak[c.name] <= budget * peak["xla"]]
+  lines = []
+  plan = meshslice.tune(f, w, x, mesh=tpu, candidates=candidates, max_peak=budget,
+                        echo=lines.append)
+  assert plan == min(within, key=lambda c: c.step_s).plan != fastest.plan
+  assert f"candidates within max_peak={budget:g}x XLA's peak" in lines[-1]
+  for bad in (0, -1.0, True, "1.1"):
+    with pytest.raises(ValueError, match=re.escape(
+        "tune: max_peak must be a positive number (a multiple of XLA's program's peak "
+        f"memory, e.g. 1.10) or None, got {bad!r}")):
+      meshslice.tune(f, w, x, mesh=tpu, max_peak=bad)
+
+
 def test_sparse_core_offload_prices_xla_with_its_collectives_hidden(monkeypatch):
   # v5p / v6e under the SparseCore offload flags: XLA's dense program runs its
   # all-gathers and reduce-scatters beside the dot (measured: docs/benchmarks.md), so a
