@@ -88,3 +88,42 @@ def test_tpu_rank_scores_the_planners_rule_against_the_fastest_prediction(tmp_pa
                    r"of 2 sites, 50\.0 % faster on average", out), out
   # every flag set's libtpu flags are stated
   assert "  xla: (libtpu defaults)" in out and "  xla async: --xla_tpu_enable_async" in out
+
+
+def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla():
+  """bench/tpu_tune.py without compiling: the candidates its flags name (HeldGathers on
+  the last one), and the table's ratios from (here: synthetic) tune results."""
+  import types
+
+  import pytest
+  from absl import app
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import tpu_tune
+  finally:
+    sys.path.pop(0)
+  import meshslice
+  base = "collective+all_to_all, ls ksplit=2"
+  got = tpu_tune.candidates(["collective+all_to_all", base], ["qkv: *wq, *wk"])
+  assert list(got) == ["collective+all_to_all", base, base + ", qkv held"]
+  assert got[base + ", qkv held"] == meshslice.HeldGathers(base, ("*wq", "*wk"))
+  with pytest.raises(app.UsageError, match="--candidate: unknown \\['ksplit=3'\\]"):
+    tpu_tune.candidates(["ksplit=3"], [])
+  with pytest.raises(app.UsageError, match="--held: 'qkv' is not 'label:pattern,pattern'"):
+    tpu_tune.candidates([], ["qkv"])
+
+  def candidate(step_ms, compute_ms, peak_gib, plan):
+    simulation = types.SimpleNamespace(step_s=step_ms / 1e3, compute_s=compute_ms / 1e3,
+                                       exposed_s=(step_ms - compute_ms) / 1e3)
+    return types.SimpleNamespace(plan=plan, result=types.SimpleNamespace(
+        simulation=simulation, libtpu_peak_bytes=int(peak_gib * 2**30)))
+
+  results = {"xla": candidate(200.0, 100.0, 4.0, "p0"),
+             "held": candidate(160.0, 110.0, 3.0, "p1")}
+  rows = tpu_tune.rows(results, "p1")
+  assert [r["chosen"] for r in rows] == [False, True]
+  held = rows[1]
+  assert (held["step_vs_xla"], held["peak_vs_xla"]) == (1.25, 0.75)
+  assert held["step_vs_limit"] == pytest.approx(1.6)
+  assert "| held | 160.00 | 110.00 | 50.00 | 3.00 | 1.250x | 0.750x | 1.600x | yes |" in (
+      tpu_tune.table(rows))

@@ -1,0 +1,118 @@
+"""meshslice.tune on a model's layer for a TPU topology, ahead of time, with a table.
+
+Compiles plain XLA and each candidate plan for the topology (no TPU needed: libtpu
+compiles on this machine, docs/tpu.md), simulates each compiled program and prints,
+per candidate: simulated step, compute, exposed communication, libtpu's peak memory,
+the step and peak against XLA's program compiled in the same run, the step against the
+limit (XLA's compute: with the `dense` flags it is the dense program's), and which
+candidate tune chose (the fastest, within --max_peak when given).
+
+  python bench/tpu_tune.py --model=gpt3 --topology=v4:8x8x4 --mesh=64x4 \\
+      --candidate=collective+all_to_all --candidate="collective+all_to_all, ls ksplit=2" \\
+      --held="wq wk wv:*wq,*wk,*wv" --max_peak=1.10          # ~6 min on 2 cores
+
+--candidate (repeated) names an entry of `meshslice.tune.CANDIDATES` (default: all of
+them), in the order given; a name's base must come before it. Each --held
+"label:pattern,pattern" (repeated) adds a `meshslice.HeldGathers` candidate on the last
+--candidate, holding back the weight gradients whose module matches a pattern. --flags:
+libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
+topology's generation, set before libtpu loads.
+"""
+import importlib
+import json
+from importlib.metadata import version
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "gpt3", "gpt3 or megatron (aot.model_step)")
+_TOPOLOGY = flags.DEFINE_string("topology", "v4:8x8x4", "TPU topology to compile for")
+_MESH = flags.DEFINE_string("mesh", "64x4", "mesh shape RxC (axes x, y)")
+_LAYERS = flags.DEFINE_integer("layers", 1, "transformer layers")
+_BATCH = flags.DEFINE_integer("batch", 0, "sequences per step (default: one per chip)")
+_SEQ = flags.DEFINE_integer("seq", 0, "sequence length (default: the model's)")
+_FLAGS = flags.DEFINE_string("flags", "dense,async,all_to_all", "libtpu flag presets")
+_CANDIDATES = flags.DEFINE_multi_string("candidate", [], "a CANDIDATES name (repeat; "
+                                        "default: every default candidate)")
+_HELD = flags.DEFINE_multi_string("held", [], "'label:pattern,pattern': a HeldGathers "
+                                  "candidate on the last --candidate (repeat)")
+_MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multiple of "
+                               "XLA's libtpu peak")
+_JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
+
+
+def candidates(names: list, held: list) -> dict:
+  """The candidates the flags ask for: {name: options}."""
+  tune_module = importlib.import_module("meshslice.tune")   # meshslice.tune is the function
+  wanted = list(names) or list(tune_module.CANDIDATES)
+  unknown = [n for n in wanted if n not in tune_module.CANDIDATES]
+  if unknown:
+    raise app.UsageError(f"--candidate: unknown {unknown}; known: "
+                         f"{', '.join(map(repr, tune_module.CANDIDATES))}")
+  out = {n: tune_module.CANDIDATES[n] for n in wanted}
+  for group in held:
+    label, sep, patterns = group.partition(":")
+    if not sep or not patterns.strip():
+      raise app.UsageError(f"--held: {group!r} is not 'label:pattern,pattern'")
+    out[f"{wanted[-1]}, {label.strip()} held"] = tune_module.HeldGathers(
+        wanted[-1], tuple(p.strip() for p in patterns.split(",")))
+  return out
+
+
+def rows(results: dict, plan) -> list[dict]:
+  """One row per candidate, ratios against the "xla" candidate of the same run."""
+  xla = results["xla"].result
+  out = []
+  for name, c in results.items():
+    r, sim = c.result, c.result.simulation
+    out.append({"candidate": name, "step_ms": sim.step_s * 1e3,
+                "compute_ms": sim.compute_s * 1e3, "exposed_ms": sim.exposed_s * 1e3,
+                "peak_gib": r.libtpu_peak_bytes / 2**30,
+                "step_vs_xla": xla.simulation.step_s / sim.step_s,
+                "peak_vs_xla": r.libtpu_peak_bytes / max(xla.libtpu_peak_bytes, 1),
+                "step_vs_limit": sim.step_s / xla.simulation.compute_s,
+                "chosen": c.plan == plan})
+  return out
+
+
+def table(records: list[dict]) -> str:
+  head = ("| candidate | step ms | compute ms | exposed ms | libtpu peak GiB | step vs XLA "
+          "| peak vs XLA | step vs limit | chosen |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")
+  lines = [head]
+  for r in records:
+    lines.append(f"| {r['candidate']} | {r['step_ms']:.2f} | {r['compute_ms']:.2f} | "
+                 f"{r['exposed_ms']:.2f} | {r['peak_gib']:.2f} | {r['step_vs_xla']:.3f}x | "
+                 f"{r['peak_vs_xla']:.3f}x | {r['step_vs_limit']:.3f}x | "
+                 f"{'yes' if r['chosen'] else ''} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  from meshslice import aot
+  generation, _ = aot.parse_topology(_TOPOLOGY.value)
+  aot.set_flags(*aot.preset_flags(_FLAGS.value, generation.name))
+  import jax
+  import meshslice
+  shape = tuple(int(v) for v in _MESH.value.split("x"))
+  mesh = aot.make_mesh(_TOPOLOGY.value, shape)
+  step, params, data = aot.model_step(_MODEL.value, mesh, layers=_LAYERS.value,
+                                      batch=_BATCH.value or None, seq=_SEQ.value or None)
+  results = {}
+  plan = meshslice.tune(step, params, data, mesh=mesh, results=results, echo=print,
+                        candidates=candidates(_CANDIDATES.value, _HELD.value),
+                        max_peak=_MAX_PEAK.value)
+  records = rows(results, plan)
+  print(f"\n{_MODEL.value} on {_TOPOLOGY.value} as {_MESH.value}, jax {jax.__version__}, "
+        f"libtpu {version('libtpu')}, flags {_FLAGS.value}"
+        f"{'' if _MAX_PEAK.value is None else f', max_peak {_MAX_PEAK.value:g}'}; "
+        "limit = XLA's compute")
+  print(table(records))
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      for r in records:
+        f.write(json.dumps({"model": _MODEL.value, "topology": _TOPOLOGY.value,
+                            "mesh": _MESH.value, **r}) + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
