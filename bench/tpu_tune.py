@@ -14,7 +14,8 @@ candidate tune chose (the fastest, within --max_peak when given).
 --candidate (repeated) names an entry of `meshslice.tune.CANDIDATES` (default: all of
 them), in the order given; a name's base must come before it. Each --held
 "label:pattern,pattern" (repeated) adds a `meshslice.HeldGathers` candidate on the last
---candidate, holding back the weight gradients whose module matches a pattern. --flags:
+--candidate that holds no gathers itself, holding back the weight gradients whose module
+matches a pattern. --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
 topology's generation, set before libtpu loads.
 """
@@ -34,7 +35,7 @@ _FLAGS = flags.DEFINE_string("flags", "dense,async,all_to_all", "libtpu flag pre
 _CANDIDATES = flags.DEFINE_multi_string("candidate", [], "a CANDIDATES name (repeat; "
                                         "default: every default candidate)")
 _HELD = flags.DEFINE_multi_string("held", [], "'label:pattern,pattern': a HeldGathers "
-                                  "candidate on the last --candidate (repeat)")
+                                  "candidate on the last --candidate holding none (repeat)")
 _MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multiple of "
                                "XLA's libtpu peak")
 _JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
@@ -49,12 +50,15 @@ def candidates(names: list, held: list) -> dict:
     raise app.UsageError(f"--candidate: unknown {unknown}; known: "
                          f"{', '.join(map(repr, tune_module.CANDIDATES))}")
   out = {n: tune_module.CANDIDATES[n] for n in wanted}
+  # --held builds on the last candidate that does not hold gathers itself
+  base = next((n for n in reversed(wanted)
+               if not isinstance(out[n], tune_module.HeldGathers)), wanted[-1])
   for group in held:
     label, sep, patterns = group.partition(":")
     if not sep or not patterns.strip():
       raise app.UsageError(f"--held: {group!r} is not 'label:pattern,pattern'")
-    out[f"{wanted[-1]}, {label.strip()} held"] = tune_module.HeldGathers(
-        wanted[-1], tuple(p.strip() for p in patterns.split(",")))
+    out[f"{base}, {label.strip()} held"] = tune_module.HeldGathers(
+        base, tuple(p.strip() for p in patterns.split(",")))
   return out
 
 

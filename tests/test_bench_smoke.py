@@ -107,6 +107,9 @@ def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla():
   got = tpu_tune.candidates(["collective+all_to_all", base], ["qkv: *wq, *wk"])
   assert list(got) == ["collective+all_to_all", base, base + ", qkv held"]
   assert got[base + ", qkv held"] == meshslice.HeldGathers(base, ("*wq", "*wk"))
+  # by default every tune candidate; --held builds on the last that holds nothing
+  default = tpu_tune.candidates([], ["qkv:*wq"])
+  assert default[base + ", qkv held"] == meshslice.HeldGathers(base, ("*wq",))
   with pytest.raises(app.UsageError, match="--candidate: unknown \\['ksplit=3'\\]"):
     tpu_tune.candidates(["ksplit=3"], [])
   with pytest.raises(app.UsageError, match="--held: 'qkv' is not 'label:pattern,pattern'"):
