@@ -15,7 +15,10 @@ candidate tune chose (the fastest, within --max_peak when given).
 them), in the order given; a name's base must come before it. Each --held
 "label:pattern,pattern" (repeated) adds a `meshslice.HeldGathers` candidate on the last
 --candidate that holds no gathers itself, holding back the weight gradients whose module
-matches a pattern. --flags:
+matches a pattern. Each --sliced "label:dataflow:ksplit:pattern,pattern" (repeated) adds a
+`meshslice.SlicedSites` candidate, each on the one before (the first on the last
+--candidate): its sites of that dataflow whose module matches a pattern (all when none
+is given) sliced in ksplit; --held then builds on the last of them. --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
 topology's generation, set before libtpu loads.
 """
@@ -34,6 +37,9 @@ _SEQ = flags.DEFINE_integer("seq", 0, "sequence length (default: the model's)")
 _FLAGS = flags.DEFINE_string("flags", "dense,async,all_to_all", "libtpu flag presets")
 _CANDIDATES = flags.DEFINE_multi_string("candidate", [], "a CANDIDATES name (repeat; "
                                         "default: every default candidate)")
+_SLICED = flags.DEFINE_multi_string("sliced", [], "'label:dataflow:ksplit:pattern,pattern': "
+                                    "a SlicedSites candidate on the last candidate "
+                                    "holding none (repeat: each on the one before)")
 _HELD = flags.DEFINE_multi_string("held", [], "'label:pattern,pattern': a HeldGathers "
                                   "candidate on the last --candidate holding none (repeat)")
 _MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multiple of "
@@ -41,7 +47,7 @@ _MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multip
 _JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
 
 
-def candidates(names: list, held: list) -> dict:
+def candidates(names: list, held: list, sliced: tuple = ()) -> dict:
   """The candidates the flags ask for: {name: options}."""
   tune_module = importlib.import_module("meshslice.tune")   # meshslice.tune is the function
   wanted = list(names) or list(tune_module.CANDIDATES)
@@ -50,9 +56,18 @@ def candidates(names: list, held: list) -> dict:
     raise app.UsageError(f"--candidate: unknown {unknown}; known: "
                          f"{', '.join(map(repr, tune_module.CANDIDATES))}")
   out = {n: tune_module.CANDIDATES[n] for n in wanted}
-  # --held builds on the last candidate that does not hold gathers itself
+  # --sliced and --held build on the last candidate that does not hold gathers itself
   base = next((n for n in reversed(wanted)
                if not isinstance(out[n], tune_module.HeldGathers)), wanted[-1])
+  for group in sliced:
+    label, dataflow, ksplit, patterns = (group.split(":", 3) + ["", "", ""])[:4]
+    if dataflow not in ("os", "ls", "rs") or not ksplit.isdigit() or not label.strip():
+      raise app.UsageError(f"--sliced: {group!r} is not 'label:dataflow:ksplit:"
+                           "pattern,pattern' (dataflow os, ls or rs; patterns may be empty)")
+    name = f"{base}, {label.strip()}"
+    out[name] = tune_module.SlicedSites(
+        base, dataflow, int(ksplit), tuple(p.strip() for p in patterns.split(",") if p.strip()))
+    base = name
   for group in held:
     label, sep, patterns = group.partition(":")
     if not sep or not patterns.strip():
@@ -103,7 +118,8 @@ def main(argv):
                                       batch=_BATCH.value or None, seq=_SEQ.value or None)
   results = {}
   plan = meshslice.tune(step, params, data, mesh=mesh, results=results, echo=print,
-                        candidates=candidates(_CANDIDATES.value, _HELD.value),
+                        candidates=candidates(_CANDIDATES.value, _HELD.value,
+                                              _SLICED.value),
                         max_peak=_MAX_PEAK.value)
   records = rows(results, plan)
   print(f"\n{_MODEL.value} on {_TOPOLOGY.value} as {_MESH.value}, jax {jax.__version__}, "

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlicedSites:
   """A candidate made from an earlier candidate's plan: its rewritten sites of one
-  dataflow sliced (`meshslice`, `ksplit`), every other site as that plan has it.
+  dataflow sliced (`meshslice`, `ksplit`), all of them or those whose module path matches
+  one of `modules` (fnmatch patterns); every other site as that plan has it.
 
   The per-site model cannot see which sites' gathers are left exposed in the compiled
   schedule; slicing only those can pay where slicing every site does not. Measured on
@@ -57,6 +58,7 @@ class SlicedSites:
   base: str
   dataflow: str
   ksplit: int
+  modules: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,11 +119,17 @@ def _frozen(report):
   return plan
 
 
+def _module_matches(module: str, patterns: tuple) -> bool:
+  """Whether a site's module path matches one of `patterns` (fnmatch); () matches all."""
+  return not patterns or any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
 def _sliced(report, plan, request: SlicedSites):
   """`plan` with `report`'s rewritten `request.dataflow` sites sliced, where that
   ksplit slices them exactly; None when no site is."""
   sites = [s for s in report.rewritten if s.dataflow == request.dataflow
-           and s.geometry.valid_ksplit(request.ksplit)]
+           and s.geometry.valid_ksplit(request.ksplit)
+           and _module_matches(s.module, request.modules)]
   for site in sites:
     plan = plan.edit(site.index, algorithm="meshslice", ksplit=request.ksplit)
   return plan if sites else None
@@ -133,8 +141,7 @@ def _held(report, plan, request: HeldGathers):
   swapped = {s.index for s in report.sites if s.swapped}
   indexes = [e["index"] for e in plan.sites
              if e["index"] in swapped and e["rewritten"] and e.get("rewrite") is not False
-             and (not request.modules or any(fnmatch.fnmatchcase(e.get("module", ""), m)
-                                             for m in request.modules))]
+             and _module_matches(e.get("module", ""), request.modules)]
   for index in indexes:
     plan = plan.edit(index, hold_gathers=True)
   return plan if indexes else None

@@ -110,6 +110,15 @@ def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla():
   # by default every tune candidate; --held builds on the last that holds nothing
   default = tpu_tune.candidates([], ["qkv:*wq"])
   assert default[base + ", qkv held"] == meshslice.HeldGathers(base, ("*wq",))
+  # --sliced chains SlicedSites candidates; --held builds on the last of them
+  chain = tpu_tune.candidates(["collective+all_to_all"], ["qkv:*wq"],
+                              ["ls wo:ls:2:*wo", "ls w_up:ls:4:*w_up, *w_x"])
+  first, second = "collective+all_to_all, ls wo", "collective+all_to_all, ls wo, ls w_up"
+  assert chain[first] == meshslice.SlicedSites("collective+all_to_all", "ls", 2, ("*wo",))
+  assert chain[second] == meshslice.SlicedSites(first, "ls", 4, ("*w_up", "*w_x"))
+  assert chain[second + ", qkv held"] == meshslice.HeldGathers(second, ("*wq",))
+  with pytest.raises(app.UsageError, match="--sliced: 'x:ls' is not"):
+    tpu_tune.candidates([], [], ["x:ls"])
   with pytest.raises(app.UsageError, match="--candidate: unknown \\['ksplit=3'\\]"):
     tpu_tune.candidates(["ksplit=3"], [])
   with pytest.raises(app.UsageError, match="--held: 'qkv' is not 'label:pattern,pattern'"):

@@ -198,8 +198,10 @@ def test_tune_slices_only_the_sites_of_one_dataflow():
   meshslice.tune(f, x, w, mesh=tpu, results=results, candidates={
       "collective": {"algorithm": "collective"},
       "sliced": meshslice.SlicedSites("collective", site.dataflow, 2),
-      "other flow": meshslice.SlicedSites("collective", other, 2)})
-  # a dataflow with no site makes no candidate; the sliced one is its own program
+      "other flow": meshslice.SlicedSites("collective", other, 2),
+      "no module": meshslice.SlicedSites("collective", site.dataflow, 2, ("no/such/*",))})
+  # a dataflow (or module pattern) with no site makes no candidate; the sliced one is
+  # its own program
   assert list(results) == ["xla", "collective", "sliced"]
   entry, = results["sliced"].plan.sites
   assert (entry["algorithm"], entry["dataflow"], entry["ksplit"]) == ("meshslice", site.dataflow, 2)
