@@ -17,7 +17,7 @@ them), in the order given; a name's base must come before it. Each --held
 --candidate that holds no gathers itself, holding back the weight gradients whose module
 matches a pattern. Each --sliced "label:dataflow:ksplit:pattern,pattern" (repeated) adds a
 `meshslice.SlicedSites` candidate, each on the one before (the first on the last
---candidate): its sites of that dataflow whose module matches a pattern (all when none
+--candidate of transform options, e.g. collective+all_to_all): its sites of that dataflow whose module matches a pattern (all when none
 is given) sliced in ksplit; --held then builds on the last of them. --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
 topology's generation, set before libtpu loads.
@@ -56,9 +56,12 @@ def candidates(names: list, held: list, sliced: tuple = ()) -> dict:
     raise app.UsageError(f"--candidate: unknown {unknown}; known: "
                          f"{', '.join(map(repr, tune_module.CANDIDATES))}")
   out = {n: tune_module.CANDIDATES[n] for n in wanted}
-  # --sliced and --held build on the last candidate that does not hold gathers itself
+  # --held builds on the last candidate that does not hold gathers itself; --sliced
+  # chains from the last candidate of transform options (and --held then on its end)
   base = next((n for n in reversed(wanted)
                if not isinstance(out[n], tune_module.HeldGathers)), wanted[-1])
+  if sliced:
+    base = next((n for n in reversed(wanted) if isinstance(out[n], dict)), base)
   for group in sliced:
     label, dataflow, ksplit, patterns = (group.split(":", 3) + ["", "", ""])[:4]
     if dataflow not in ("os", "ls", "rs") or not ksplit.isdigit() or not label.strip():

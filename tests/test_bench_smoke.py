@@ -111,7 +111,7 @@ def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla():
   default = tpu_tune.candidates([], ["qkv:*wq"])
   assert default[base + ", qkv held"] == meshslice.HeldGathers(base, ("*wq",))
   # --sliced chains SlicedSites candidates; --held builds on the last of them
-  chain = tpu_tune.candidates(["collective+all_to_all"], ["qkv:*wq"],
+  chain = tpu_tune.candidates(["collective+all_to_all", base], ["qkv:*wq"],
                               ["ls wo:ls:2:*wo", "ls w_up:ls:4:*w_up, *w_x"])
   first, second = "collective+all_to_all, ls wo", "collective+all_to_all, ls wo, ls w_up"
   assert chain[first] == meshslice.SlicedSites("collective+all_to_all", "ls", 2, ("*wo",))
