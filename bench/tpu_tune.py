@@ -17,8 +17,9 @@ them), in the order given; a name's base must come before it. Each --held
 --candidate that holds no gathers itself, holding back the weight gradients whose module
 matches a pattern. Each --sliced "label:dataflow:ksplit:pattern,pattern" (repeated) adds a
 `meshslice.SlicedSites` candidate, each on the one before (the first on the last
---candidate of transform options, e.g. collective+all_to_all): its sites of that dataflow whose module matches a pattern (all when none
-is given) sliced in ksplit; --held then builds on the last of them. --flags:
+--candidate of transform options, e.g. collective+all_to_all): its sites of that
+dataflow whose module matches a pattern (all when none is given) sliced in ksplit;
+--held then builds on the last of them. --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
 topology's generation, set before libtpu loads.
 """

@@ -90,18 +90,14 @@ def test_tpu_rank_scores_the_planners_rule_against_the_fastest_prediction(tmp_pa
   assert "  xla: (libtpu defaults)" in out and "  xla async: --xla_tpu_enable_async" in out
 
 
-def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla():
+def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla(bench_script):
   """bench/tpu_tune.py without compiling: the candidates its flags name (HeldGathers on
   the last one), and the table's ratios from (here: synthetic) tune results."""
   import types
 
   import pytest
   from absl import app
-  sys.path.insert(0, os.path.join(ROOT, "bench"))
-  try:
-    import tpu_tune
-  finally:
-    sys.path.pop(0)
+  tpu_tune = bench_script("tpu_tune")
   import meshslice
   base = "collective+all_to_all, ls ksplit=2"
   got = tpu_tune.candidates(["collective+all_to_all", base], ["qkv: *wq, *wk"])

@@ -2,7 +2,6 @@
 no all-gather continuation fusion on v4 / v5p / v6e (libtpu 0.0.50.1 refuses it there as
 unsafe), the MaxText group on v5e; every table states its flags; the rewrite is
 compared with the best of XLA's four programs (plain / dense, defaults / async)."""
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,6 @@ import meshslice
 from meshslice import aot, aot_sites, backend_flags
 
 FUSE = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
-BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 
 
 def test_flags_per_generation():
@@ -152,12 +150,8 @@ def test_cli_table_states_flags_and_compares_with_the_best_of_four():
                                    "2.000 ms): 1.053x (faster)")
 
 
-def test_bench_tpu_aot_flags_and_headline():
-  sys.path.insert(0, BENCH)
-  try:
-    import tpu_aot
-  finally:
-    sys.path.remove(BENCH)
+def test_bench_tpu_aot_flags_and_headline(bench_script):
+  tpu_aot = bench_script("tpu_aot")
   assert tpu_aot.variant_flags("meshslice", "v4") == backend_flags.SAFE_ASYNC_FLAGS
   assert tpu_aot.variant_flags("plain_async", "v5e") == aot.ASYNC_FLAGS
   assert tpu_aot.variant_flags("dense_async", "v4", "fusion") == aot.DENSE_FLAGS + aot.ASYNC_FLAGS
