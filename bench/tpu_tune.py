@@ -19,7 +19,10 @@ matches a pattern. Each --sliced "label:dataflow:ksplit:pattern,pattern" (repeat
 `meshslice.SlicedSites` candidate, each on the one before (the first on the last
 --candidate of transform options, e.g. collective+all_to_all): its sites of that
 dataflow whose module matches a pattern (all when none is given) sliced in ksplit;
---held then builds on the last of them. --flags:
+--held then builds on the last of them. --refine=N: N sweeps of tune's local search
+from the fastest candidate within --max_peak (one module's sites of one dataflow
+sliced one step finer or coarser, a group of weight gradients held or released, a move
+at a time; ~30 compiles a sweep for GPT-3's layer). --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
 topology's generation, set before libtpu loads.
 """
@@ -45,6 +48,8 @@ _HELD = flags.DEFINE_multi_string("held", [], "'label:pattern,pattern': a HeldGa
                                   "candidate on the last --candidate holding none (repeat)")
 _MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multiple of "
                                "XLA's libtpu peak")
+_REFINE = flags.DEFINE_integer("refine", 0, "tune's sweeps of local search from the "
+                                "fastest candidate within --max_peak (0: none)")
 _JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
 
 
@@ -124,11 +129,12 @@ def main(argv):
   plan = meshslice.tune(step, params, data, mesh=mesh, results=results, echo=print,
                         candidates=candidates(_CANDIDATES.value, _HELD.value,
                                               _SLICED.value),
-                        max_peak=_MAX_PEAK.value)
+                        max_peak=_MAX_PEAK.value, refine=_REFINE.value)
   records = rows(results, plan)
   print(f"\n{_MODEL.value} on {_TOPOLOGY.value} as {_MESH.value}, jax {jax.__version__}, "
         f"libtpu {version('libtpu')}, flags {_FLAGS.value}"
-        f"{'' if _MAX_PEAK.value is None else f', max_peak {_MAX_PEAK.value:g}'}; "
+        f"{'' if _MAX_PEAK.value is None else f', max_peak {_MAX_PEAK.value:g}'}"
+        f"{f', refine {_REFINE.value}' if _REFINE.value else ''}; "
         "limit = XLA's compute")
   print(table(records))
   if _JSON.value:

@@ -22,9 +22,12 @@ Candidates ({name: transform options}, `CANDIDATES`): "xla" (always added), "def
 per site), "collective+all_to_all" (its reduce-scatters as an all-to-all and a local
 sum), "ksplit=2", "ksplit=4", and "collective+all_to_all, ls ksplit=2" (that plan with
 only its ls sites sliced, `SlicedSites`), and that plan with every weight gradient's
-gathers held back (`HeldGathers`, for a memory budget: `max_peak`). The plan is a deterministic
-function of the program, the mesh, the candidates and the libtpu in use: nothing runs on
-a device, nothing is timed.
+gathers held back (`HeldGathers`, for a memory budget: `max_peak`). `refine=N` then
+searches locally from the fastest candidate within the budget, a move at a time
+(`_moves`: one module's sites of one dataflow sliced one ksplit step finer or coarser,
+a group of weight gradients held or released), keeping each faster program. The plan is
+a deterministic function of the program, the mesh, the candidates, `refine` and the
+libtpu in use: nothing runs on a device, nothing is timed.
 """
 from __future__ import annotations
 
@@ -162,6 +165,65 @@ def _decisions(plan) -> tuple:
                for e in plan.sites)
 
 
+_NEIGHBOUR_KSPLITS = {1: (2,), 2: (1, 4), 4: (2,)}
+
+
+def _moves(report, plan) -> list:
+  """The moves a refinement sweep tries on `plan`, in a fixed order, as (label, site
+  indexes, pin): per module (program order) and dataflow of its rewritten sites, those
+  sites sliced one step finer or coarser (ksplit 1 <-> 2 <-> 4, where it slices them
+  exactly); then, held or released together, the weight gradients with the same
+  operand shapes in the same context (a layer's q, k and v projections read one
+  activation: holding one alone measured slower than holding none); then each module's
+  weight gradients alone. A pin of None toggles hold_gathers on the plan it meets."""
+  entries = {e["index"]: e for e in plan.sites
+             if e["rewritten"] and e.get("rewrite") is not False}
+  sites = [s for s in report.sites if s.index in entries]
+  modules = list(dict.fromkeys(s.module for s in sites))
+  moves = []
+  for module in modules:
+    for dataflow in ("os", "ls", "rs"):
+      group = [s for s in sites if s.module == module and entries[s.index]["dataflow"] == dataflow]
+      algorithms = {entries[s.index]["algorithm"] for s in group}
+      ksplits = {entries[s.index]["ksplit"] if entries[s.index]["algorithm"] == "meshslice" else 1
+                 for s in group}
+      # mixed, other algorithms (cannon, summa, wang) or no site: left as they are
+      if len(ksplits) != 1 or not algorithms <= {"collective", "meshslice"}:
+        continue
+      for ksplit in _NEIGHBOUR_KSPLITS.get(ksplits.pop(), ()):
+        if all(s.geometry.valid_ksplit(ksplit) for s in group):
+          pin = ({"algorithm": "collective", "ksplit": 1} if ksplit == 1
+                 else {"algorithm": "meshslice", "ksplit": ksplit})
+          moves.append((f"{module or '(unnamed)'} {dataflow} S={ksplit}",
+                        tuple(s.index for s in group), pin))
+  swapped = [s for s in sites if s.swapped]
+  by_shapes = {}
+  for s in swapped:
+    by_shapes.setdefault((s.context, s.lhs_shape, s.rhs_shape), []).append(s)
+  for group in by_shapes.values():
+    names = list(dict.fromkeys(s.module or "(unnamed)" for s in group))
+    if len(names) > 1:
+      moves.append((" ".join(names) + " held/released", tuple(s.index for s in group), None))
+  for module in modules:
+    group = tuple(s.index for s in swapped if s.module == module)
+    if group:
+      moves.append((f"{module or '(unnamed)'} held/released", group, None))
+  return moves
+
+
+def _apply(plan, indexes, pin):
+  """`plan` with `pin` on each of `indexes` (pin None: every one held, unless all of
+  them are, then every one released); None when that changes nothing."""
+  entries = {e["index"]: e for e in plan.sites}
+  if pin is None:
+    pin = {"hold_gathers": not all(entries[i].get("hold_gathers") is True for i in indexes)}
+  if all(all(entries[i].get(k) == v for k, v in pin.items()) for i in indexes):
+    return None
+  for index in indexes:
+    plan = plan.edit(index, **pin)
+  return plan
+
+
 def _generation(mesh):
   from .backend_flags import tpu_generation
   kinds = {getattr(d, "device_kind", "") for d in mesh.devices.flat}
@@ -170,7 +232,7 @@ def _generation(mesh):
 
 def tune(step, *args, mesh, topology: str | None = None, candidates=None,
          profile: str | None = None, echo=None, results: dict | None = None,
-         max_peak: float | None = None):
+         max_peak: float | None = None, refine: int = 0):
   """The fastest of the candidate plans for `step` on `mesh`, as a `meshslice.Plan`.
 
   step: the user's jitted step; args: its abstract arguments (ShapeDtypeStructs with
@@ -184,15 +246,21 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   callable for one line per candidate. results: a dict to receive {name: Candidate}.
   max_peak: a memory budget, as a multiple of the "xla" program's peak per device
   (libtpu's `peak_memory_in_bytes`), e.g. 1.10: only candidates within it are chosen
-  ("xla" always is). None: no budget.
+  ("xla" always is). None: no budget. refine: sweeps of local search after the
+  candidates (default 0, none). A sweep starts from the fastest candidate within the
+  budget and tries one move at a time (`_moves`: one module's sites of one dataflow
+  sliced one step finer or coarser, a group of weight gradients held or released),
+  keeping each move that makes a faster program within the budget; the next sweep
+  starts from where it ended, and a sweep that keeps nothing ends the search. A sweep
+  compiles about two programs per module and dataflow (GPT-3's layer: ~30).
 
   libtpu reads its flags once per process: set them before the first compile (when
   neither LIBTPU_INIT_ARGS is set nor libtpu loaded, the generation's async flags are
   set here, `aot.preset_flags("async", generation)`).
 
   Raises:
-    ValueError: the mesh is not a TPU mesh, a candidate's options are invalid, or
-      max_peak is not a positive number.
+    ValueError: the mesh is not a TPU mesh, a candidate's options are invalid,
+      max_peak is not a positive number, or refine is not a non-negative int.
   """
   import jax
   from jax.sharding import Mesh, NamedSharding
@@ -202,6 +270,9 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
       max_peak, numbers.Real) or not max_peak > 0):
     raise ValueError("tune: max_peak must be a positive number (a multiple of XLA's "
                      f"program's peak memory, e.g. 1.10) or None, got {max_peak!r}")
+  if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+    raise ValueError("tune: refine must be a non-negative int (sweeps of local search "
+                     f"after the candidates; 0 for none), got {refine!r}")
   if not isinstance(mesh, Mesh):
     if topology is None:
       raise ValueError("tune: mesh must be a concrete jax.sharding.Mesh of TPU devices "
@@ -225,6 +296,27 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
   wanted = {"xla": None, **(CANDIDATES if candidates is None else candidates)}
   out, reports, skipped = {}, {}, set()
+
+  def evaluate(name, plan, xla):
+    """Compile `plan` (XLA's own program when `xla`) unless a candidate already has its
+    decisions; record, echo and return its Candidate."""
+    same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
+    if same is not None:
+      out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
+    else:
+      fn = step if xla else transform(step, profile=profile, plan=plan)
+      compiled, seconds = aot.compile(fn, *args, mesh=mesh)
+      out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
+          compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
+      del compiled
+    c = out[name]
+    if echo is not None:
+      rewritten = sum(1 for e in c.plan.sites if e.get("rewrite") is not False)
+      echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  peak "
+           f"{_peak(c) / 2**30:.2f} GiB  ({rewritten} of {len(c.plan.sites)} sites "
+           "rewritten)")
+    return c
+
   for name, options in wanted.items():
     if isinstance(options, (SlicedSites, HeldGathers)):
       if options.base in skipped:                # its base made no program of its own
@@ -254,24 +346,27 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
           plan = plan.edit(site.index, rewrite=False)
       else:
         plan = _frozen(report)
-    same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
-    if same is not None:
-      out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
-    else:
-      fn = step if options is None else transform(step, profile=profile, plan=plan)
-      compiled, seconds = aot.compile(fn, *args, mesh=mesh)
-      out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
-          compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
-      del compiled
-    if echo is not None:
-      c = out[name]
-      rewritten = sum(1 for e in c.plan.sites if e.get("rewrite") is not False)
-      echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  peak "
-           f"{_peak(c) / 2**30:.2f} GiB  ({rewritten} of {len(c.plan.sites)} sites "
-           "rewritten)")
+    evaluate(name, plan, xla=options is None)
   budget = None if max_peak is None else max_peak * _peak(out["xla"])
-  eligible = [c for c in out.values()
-              if budget is None or c.name == "xla" or _peak(c) <= budget]
+
+  def within(c):
+    return budget is None or c.name == "xla" or _peak(c) <= budget
+
+  for sweep in range(refine):
+    start = min(filter(within, out.values()), key=lambda c: c.step_s)
+    current = start
+    for label, indexes, pin in _moves(reports[start.name], start.plan):
+      plan = _apply(current.plan, indexes, pin)
+      if plan is None:                           # the move changes nothing here
+        continue
+      name = f"refine {sweep + 1}: {label}"
+      reports[name] = reports[start.name]
+      c = evaluate(name, plan, xla=False)
+      if within(c) and c.step_s < current.step_s:
+        current = c                              # first improvement: keep it, go on
+    if current is start:                         # a whole sweep found nothing faster
+      break
+  eligible = [c for c in out.values() if within(c)]
   best = min(eligible, key=lambda c: c.step_s)          # first (xla) wins ties
   if results is not None:
     results.update(out)

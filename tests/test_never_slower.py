@@ -2,6 +2,7 @@
 rewrite is predicted faster than XLA's own program for it, under the same libtpu flags,
 by more than `costing.XLA_MARGIN`; otherwise it is left alone, its reason giving both
 times, and a program whose sites are all left alone compiles as plain jit does."""
+import importlib
 import re
 
 import jax
@@ -254,6 +255,94 @@ def test_tune_holds_weight_gradient_gathers_and_keeps_a_peak_budget():
         "tune: max_peak must be a positive number (a multiple of XLA's program's peak "
         f"memory, e.g. 1.10) or None, got {bad!r}")):
       meshslice.tune(f, w, x, mesh=tpu, max_peak=bad)
+
+
+def test_refine_moves_slice_one_module_and_dataflow_and_hold_weight_gradients_in_groups():
+  # the local search's moves on a frozen plan: per module and dataflow one ksplit step;
+  # weight gradients of the same shapes held together, then each module's alone
+  tune_module = importlib.import_module("meshslice.tune")   # the function shadows it
+  s = NamedSharding(mesh((2, 4)), P("x", "y"))
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=s)
+  ws = {n: jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=s)
+        for n in ("wq", "wk", "wv", "wo")}
+
+  def loss(ws, x):
+    h = 0.
+    for name in ("wq", "wk", "wv"):
+      with jax.named_scope(name):
+        h = h + jnp.tanh(x @ ws[name])
+    with jax.named_scope("wo"):
+      return jnp.sum(h @ ws["wo"])
+
+  report = meshslice.explain(jax.jit(jax.grad(loss)), algorithm="collective",
+                             reduce_scatter="reduce_scatter")(ws, x)
+  assert [(t.module, t.dataflow, t.swapped) for t in report.sites] == [
+      ("wq", "os", False), ("wk", "os", False), ("wv", "os", False), ("wo", "os", False),
+      ("wo", "rs", True), ("wo", "ls", False), ("wv", "rs", True), ("wk", "rs", True),
+      ("wq", "rs", True)]
+  plan = tune_module._frozen(report)
+  moves = tune_module._moves(report, plan)
+  slice2 = {"algorithm": "meshslice", "ksplit": 2}
+  assert moves == [
+      ("wq os S=2", (0,), slice2), ("wq rs S=2", (8,), slice2),
+      ("wk os S=2", (1,), slice2), ("wk rs S=2", (7,), slice2),
+      ("wv os S=2", (2,), slice2), ("wv rs S=2", (6,), slice2),
+      ("wo os S=2", (3,), slice2), ("wo ls S=2", (5,), slice2), ("wo rs S=2", (4,), slice2),
+      # wo's weight gradient has the q/k/v ones' shapes: grouped with them
+      ("wo wv wk wq held/released", (4, 6, 7, 8), None),
+      ("wq held/released", (8,), None), ("wk held/released", (7,), None),
+      ("wv held/released", (6,), None), ("wo held/released", (4,), None)]
+  # a hold toggle holds all, or releases all when all are held; no change: None
+  held = tune_module._apply(plan, (4, 6), None)
+  assert [e.get("hold_gathers") for e in held.sites if e["index"] in (4, 6)] == [True] * 2
+  released = tune_module._apply(held, (4, 6), None)
+  assert [e["hold_gathers"] for e in released.sites if e["index"] in (4, 6)] == [False] * 2
+  assert tune_module._apply(tune_module._apply(plan, (0,), slice2), (0,), slice2) is None
+  # a sliced module's neighbours are one step either side
+  sliced = tune_module._apply(plan, (5,), {"algorithm": "meshslice", "ksplit": 2})
+  assert [m for m in tune_module._moves(report, sliced) if m[0].startswith("wo ls")] == [
+      ("wo ls S=1", (5,), {"algorithm": "collective", "ksplit": 1}),
+      ("wo ls S=4", (5,), {"algorithm": "meshslice", "ksplit": 4})]
+
+
+def test_tune_refines_the_best_candidate_one_move_at_a_time():
+  # refine=: sweeps of local search from the fastest candidate within the budget, each
+  # move tried on the plan the sweep has reached, kept only when faster
+  tpu, f, w, x = _tune_gradient_problem()
+  tune_module = importlib.import_module("meshslice.tune")
+  results, lines = {}, []
+  plan = meshslice.tune(f, w, x, mesh=tpu, results=results, echo=lines.append, refine=2,
+                        candidates={"collective": {"algorithm": "collective"}})
+  start = min((results[n] for n in ("xla", "collective")), key=lambda c: c.step_s)
+  assert start.name == "collective"
+  with jax.set_mesh(tpu):
+    report = meshslice.transform(f, profile="tpu-v4", algorithm="collective").explain(w, x)
+  moves = {f"refine 1: {label}": set(indexes)
+           for label, indexes, _ in tune_module._moves(report, start.plan)}
+  first = [n for n in results if n.startswith("refine 1: ")]
+  assert first == list(moves)            # each move once (none became a no-op here)
+  current = start
+  for name in first:
+    before, after = dict(tune_module._decisions(current.plan)), dict(
+        tune_module._decisions(results[name].plan))
+    assert {i for i in before if before[i] != after[i]} == moves[name], name
+    if results[name].step_s < current.step_s:
+      current = results[name]
+  assert f"  {first[0]} simulated step" in "\n".join(lines)
+  best = min(results.values(), key=lambda c: c.step_s)
+  assert plan == best.plan == current.plan and best.step_s <= start.step_s
+  # a sweep that kept nothing ends the search; one that kept a move starts another
+  assert any(n.startswith("refine 2: ") for n in results) == (current is not start)
+  # refine=0 (the default) searches nothing
+  results0 = {}
+  meshslice.tune(f, w, x, mesh=tpu, results=results0,
+                 candidates={"collective": {"algorithm": "collective"}})
+  assert list(results0) == ["xla", "collective"]
+  for bad in (-1, 1.5, True, "1"):
+    with pytest.raises(ValueError, match=re.escape(
+        "tune: refine must be a non-negative int (sweeps of local search after the "
+        f"candidates; 0 for none), got {bad!r}")):
+      meshslice.tune(f, w, x, mesh=tpu, refine=bad)
 
 
 def test_sparse_core_offload_prices_xla_with_its_collectives_hidden(monkeypatch):
