@@ -372,9 +372,9 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
     results.update(out)
   if echo is not None:
     xla = out["xla"].step_s
-    within = "" if budget is None else (
+    budget_note = "" if budget is None else (
         f"; {len(eligible)} of {len(out)} candidates within max_peak={max_peak:g}x XLA's "
         f"peak, {budget / 2**30:.2f} GiB")
-    echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program{within}; flags: "
+    echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program{budget_note}; flags: "
          f"{out['xla'].result.flags or '(libtpu defaults)'})")
   return best.plan
