@@ -185,8 +185,8 @@ def _moves(report, plan) -> list:
     for dataflow in ("os", "ls", "rs"):
       group = [s for s in sites if s.module == module and entries[s.index]["dataflow"] == dataflow]
       algorithms = {entries[s.index]["algorithm"] for s in group}
-      ksplits = {entries[s.index]["ksplit"] if entries[s.index]["algorithm"] == "meshslice" else 1
-                 for s in group}
+      ksplits = {e["ksplit"] if e["algorithm"] == "meshslice" else 1
+                 for e in (entries[s.index] for s in group)}
       # mixed, other algorithms (cannon, summa, wang) or no site: left as they are
       if len(ksplits) != 1 or not algorithms <= {"collective", "meshslice"}:
         continue
@@ -359,9 +359,7 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
       plan = _apply(current.plan, indexes, pin)
       if plan is None:                           # the move changes nothing here
         continue
-      name = f"refine {sweep + 1}: {label}"
-      reports[name] = reports[start.name]
-      c = evaluate(name, plan, xla=False)
+      c = evaluate(f"refine {sweep + 1}: {label}", plan, xla=False)
       if within(c) and c.step_s < current.step_s:
         current = c                              # first improvement: keep it, go on
     if current is start:                         # a whole sweep found nothing faster

@@ -1,5 +1,9 @@
 """Every test runs on 8 emulated CPU devices."""
+import importlib
 import os
+import sys
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -7,12 +11,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
-
-
-import importlib  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
