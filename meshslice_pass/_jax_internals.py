@@ -188,6 +188,38 @@ def known_value(x):
   return x
 
 
+def make_jaxpr_arguments(fn, depth: int = 64):
+  """The caller's arguments `(args, kwargs)` when `fn` is the very function an enclosing
+  `jax.make_jaxpr(fn)(*args, **kwargs)` call is tracing; None otherwise.
+
+  `jax.make_jaxpr` traces through `jit(fn).trace(...)`, which turns committed arrays into
+  tracers without their shardings (Auto mesh axes): a transformed step asks here for the
+  arrays the user passed, so that `make_jaxpr` shows the program a call would run. Found
+  by the frame of JAX's `make_jaxpr_f` (jax/_src/api.py, every supported jax) whose `fun`
+  is `fn`, itself or behind the argument-free `functools.partial` make_jaxpr wraps
+  unhashable callables in.
+  """
+  import functools
+  import sys
+  frame = sys._getframe(1)
+  for _ in range(depth):
+    frame = frame.f_back
+    if frame is None:
+      return None
+    code = frame.f_code
+    if code.co_name != "make_jaxpr_f" or not code.co_filename.endswith(
+        ("jax/_src/api.py", "jax\\_src\\api.py")):
+      continue
+    local = frame.f_locals
+    fun = local.get("fun")
+    if isinstance(fun, functools.partial) and not fun.args and not fun.keywords:
+      fun = fun.func
+    if fun is not fn:
+      return None            # make_jaxpr of something else around fn (grad, vmap, ...)
+    return tuple(local.get("args", ())), dict(local.get("kwargs", {}))
+  return None
+
+
 def partition_spec_text(pspec) -> str:
   """`str(pspec)`, as every supported jax prints it.
 

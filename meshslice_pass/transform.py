@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import time
 import warnings
 from typing import Any, Callable
@@ -16,11 +15,11 @@ from . import planning
 from .backend_flags import overlap_note
 from . import specs as S
 from ._jax_internals import (abstractify, jit_function, jit_info, jit_kwargs, jit_params,
-                             known_value, rejit, trace_context, trace_state_clean,
-                             traced_consts)
+                             known_value, make_jaxpr_arguments, rejit, trace_context,
+                             trace_state_clean, traced_consts)
 from .emit import Emitter
 from .nnx_jit import is_nnx_jit, transform_nnx_jit
-from .param_names import ParamNames
+from .param_names import ParamNames, key_paths
 from .options import Options, check_overrides
 from .report import Report
 
@@ -90,12 +89,27 @@ class Transformed:
     """What jit's trace cannot see but the analysis needs: the shardings of committed
     input arrays (also behind grad/jvp tracers), and whether an outer trace is on."""
     _, dynamic = self._split(args, kwargs)
-    leaves = jax.tree.leaves(dynamic)
+    leaves, tree = jax.tree.flatten(dynamic)
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
     # the mesh of `jax.set_mesh` also places uncommitted inputs (Explicit mode)
     context = jax.sharding.get_mesh() if not traced and trace_state_clean() else None
     context = context if getattr(context, "axis_names", ()) else None
-    return tuple(_leaf_sharding(x) for x in leaves) + (context,), traced
+    shardings = tuple(_leaf_sharding(x) for x in leaves)
+    if traced and not any(shardings):
+      shardings = self._make_jaxpr_layouts(tree, len(leaves)) or shardings
+    return shardings + (context,), traced
+
+  def _make_jaxpr_layouts(self, tree, count):
+    """Under `jax.make_jaxpr(fast_step)(*args)` the step sees tracers without their
+    shardings; the arrays the user passed have them. Their layouts, when the structure
+    is the one traced here; None otherwise."""
+    outer = make_jaxpr_arguments(self)
+    if outer is None:
+      return None
+    leaves, outer_tree = jax.tree.flatten(self._split(*outer)[1])
+    if outer_tree != tree or len(leaves) != count:
+      return None
+    return tuple(_leaf_sharding(x) for x in leaves)
 
   def _jit_for(self, args, kwargs, layouts=None):
     """The real `jax.jit` that runs the pass for inputs laid out like `args`."""
@@ -158,8 +172,8 @@ class Transformed:
     clock.lap("analysis")
     outputs = jax.tree.unflatten(traced.out_tree, range(len(closed.out_avals)))
     names = ParamNames(closed.jaxpr,
-                       [None] * len(consts) + _key_paths(self._split(args, kwargs)[1]),
-                       _key_paths(outputs))
+                       [None] * len(consts) + key_paths(self._split(args, kwargs)[1]),
+                       key_paths(outputs))
     sites = planning.plan_program(
         closed, analysis,
         planning.Context(axis_sizes=axis_sizes, options=self._options, mesh=mesh,
@@ -269,28 +283,6 @@ class _Clock:
     self._last = now
 
 
-def _labelled(node) -> bool:
-  """A variable that carries its own name: penzai's Parameter / ParameterValue /
-  StateVariable (`label="transformer/block_0/attention/query.weights"`, `value=...`)."""
-  fields = getattr(type(node), "__dataclass_fields__", {})
-  # fields, not attributes: an unbound penzai slot raises on `.value`
-  return "label" in fields and "value" in fields and isinstance(node.label, str)
-
-
-def _key_paths(tree) -> list:
-  """The key path of every leaf of `tree`, as `jax.tree_util.keystr` writes it; the
-  leaves of a labelled variable get its label as the path instead (penzai keeps its
-  parameters in a flat tuple, whose positions name nothing)."""
-  paths = []
-  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_labelled)[0]:
-    if _labelled(node):
-      name = "".join(f"['{part}']" for part in re.split(r"[/.]", node.label) if part)
-      paths += [name] * len(jax.tree_util.tree_leaves(node))
-    else:
-      paths.append(jax.tree_util.keystr(path))
-  return paths
-
-
 def _hashable(value):
   try:
     hash(value)
@@ -363,7 +355,9 @@ def _blind_spots(sites, outer_traced) -> tuple:
           "transformation (jit, grad, vmap, ...) whose input shardings are not visible "
           "here, so the operand layouts are unknown. Apply meshslice.transform to the "
           "outermost jitted step (with in_shardings), use Explicit mesh axes, or add "
-          "jax.lax.with_sharding_constraint on the inputs.",)
+          "jax.lax.with_sharding_constraint on the inputs. To see the program a call "
+          "runs, trace the step itself: jax.make_jaxpr(fast_step)(*args) or "
+          "fast_step.trace(*args).jaxpr, not make_jaxpr of a function around it.",)
 
 
 def _name(fn) -> str:
