@@ -12,7 +12,7 @@ program evaluated on one device with every sharding annotation dropped
 "Numerics"), so the reference is the judge when it ran; otherwise the transformed program
 is judged against plain jit.
 
-The verdict per output leaf (README "Checking a rewrite on your own inputs"):
+The verdict per output leaf (docs/guide.md, "Checking a rewrite on your own inputs"):
 
 - floating outputs (complex ones by the modulus of the difference, so both parts count)
   agree when every element is within the tolerance of the judge: the output dtype's,
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
   from .planning import Site
   from .report import Report
 
-#: Tolerance per dtype (README "Numerics"): |a - b| <= tol * |b| + tol * max|b|. Complex
+#: Tolerance per dtype (docs/guide.md, "Numerics"): |a - b| <= tol * |b| + tol * max|b|. Complex
 #: outputs use the modulus of the difference; floating dtypes not listed (fp8, ...) use
 #: max(2e-2, 2 * eps); integer, bool and key outputs are compared exactly.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2,

@@ -1,6 +1,6 @@
 """Differential fuzzing: whatever the pass does, `meshslice.transform(step)` computes the
 values and gradients of an unsharded single-device run of the same program (tolerance as
-README "Numerics"), or raises for an option the user got wrong. Plain `jax.jit` is run
+docs/guide.md, "Numerics"), or raises for an option the user got wrong. Plain `jax.jit` is run
 too, but it is not the judge: GSPMD itself is wrong on some jax 0.10.2 CPU layouts.
 
 Generators and runners live in tests/fuzzing.py (shared with bench/fuzz.py, which runs

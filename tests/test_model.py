@@ -1,7 +1,7 @@
 """The demo GPT-style training step, transformed, against the untransformed step.
 
 Tolerance: float32 1e-4, bfloat16 2e-2, each relative to the largest entry of the tensor
-compared (sliced partial sums are added in a different order; see README, Numerics).
+compared (sliced partial sums are added in a different order; see docs/guide.md, "Numerics").
 """
 import jax
 import pytest

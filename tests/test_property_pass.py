@@ -2,9 +2,9 @@
 `jax.lax.dot_general` on the same inputs (random meshes, dimension numbers, dim orders,
 shardings, sizes that divide and some that do not, dtypes, algorithms).
 
-Tolerance as in the README (float32 1e-4 relative to the largest entry). In bfloat16 both
-programs round differently, so each is compared with the float32 result on the same
-inputs: the transformed one may be off by at most max(4x the original's error, 2e-2).
+Tolerance as in docs/guide.md, "Numerics" (float32 1e-4 relative to the largest entry).
+In bfloat16 both programs round differently, so each is compared with the float32 result
+on the same inputs: the transformed one may be off by at most max(4x the original's error, 2e-2).
 """
 import jax
 import jax.numpy as jnp

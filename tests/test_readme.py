@@ -1,6 +1,6 @@
-"""The README's snippets run verbatim (each in a fresh interpreter, as a user would paste
-it), and what they promise shows up: a report, and shard_maps in `jax.make_jaxpr` of the
-transformed step."""
+"""The quick starts run verbatim (each in a fresh interpreter, as a user would paste it):
+the README's (Auto axes) and the guide's (Explicit axes), and what they promise shows up:
+a report, and shard_maps in `jax.make_jaxpr` of the transformed step."""
 import os
 import pathlib
 import re
@@ -9,12 +9,21 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
 
 
 def _snippets():
-  blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+  blocks = []
+  for page in (README, GUIDE):
+    blocks += re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
   return [b for b in blocks if "import meshslice" in b]
+
+
+def test_readme_is_a_front_door():
+  """The README stays short: the guide and the docs hold the rest."""
+  assert len(README.read_text().splitlines()) <= 200
 
 
 def test_readme_has_the_auto_and_explicit_quick_starts():
