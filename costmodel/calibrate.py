@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import math
 import os
 import sys
 import time
@@ -45,7 +47,12 @@ from meshslice.costmodel.fitting import (REFERENCE_PROFILE as REFERENCE_PROFILE,
                                          fit_collectives as fit_collectives,
                                          fit_gemm_efficiency as fit_gemm_efficiency,
                                          rank as rank, spearman as spearman)
-from meshslice.costmodel.profiles import COLLECTIVES, load_profile, save_profile
+from meshslice.costmodel.profiles import (COLLECTIVES, HardwareProfile, known_profiles,
+                                          load_profile, save_profile)
+
+# the element types `--dtype` accepts: floating types the collectives and GEMMs run in
+# as given (an integer type would be promoted by the GEMM's scaling to float32)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -273,29 +280,35 @@ def _parser() -> argparse.ArgumentParser:
                   "parameters and write a hardware profile JSON file.")
   p.add_argument("--mesh", default="2x4", help="mesh shape RxC (R * C <= device count); "
                  "profile dim 0 is the R axis, dim 1 the C axis")
-  p.add_argument("--out", required=True, help="profile JSON file to write")
+  p.add_argument("--out", required=True,
+                 help="profile JSON file to write (a .json name in an existing directory)")
   p.add_argument("--name", default=None, help="profile name (default: calibrated-<platform>)")
-  p.add_argument("--dtype", default="float32", help="element type for collectives and GEMMs")
+  p.add_argument("--dtype", default="float32",
+                 help=f"element type for collectives and GEMMs: {', '.join(DTYPES)}")
   p.add_argument("--sizes-kib", default="16,64,256,1024",
-                 help="per-device shard sizes to time, KiB, comma-separated")
-  p.add_argument("--kinds", default=",".join(COLLECTIVES), help="collectives to time")
+                 help="per-device shard sizes to time, KiB, comma-separated (>= 2 distinct)")
+  p.add_argument("--kinds", default=",".join(COLLECTIVES),
+                 help="collectives to time, comma-separated, from: " + ", ".join(COLLECTIVES))
   p.add_argument("--group-sizes", default="axis", choices=["axis", "all"],
                  help="ring sizes for all-gather / reduce-scatter: the whole axis, or every "
                       "divisor >= 2 (identifies base overhead and hop latency separately)")
   p.add_argument("--hop-ratio", type=float, default=None,
                  help="hop_latency / base_overhead used to split the fitted intercept when "
-                      "only one hop count was timed (default: the tpu-v4 profile's ratio)")
+                      "only one hop count was timed, >= 0 (default: the tpu-v4 profile's "
+                      "ratio)")
   p.add_argument("--gemm-base", type=int, default=256, help="largest GEMM extent timed")
-  p.add_argument("--gemm-min", type=int, default=16, help="smallest GEMM slice extent timed")
+  p.add_argument("--gemm-min", type=int, default=16,
+                 help="smallest GEMM slice extent timed (at most --gemm-base / 2)")
   p.add_argument("--peak-flops", type=float, default=None,
                  help="datasheet peak FLOP/s per device (default: best measured throughput)")
   p.add_argument("--skip-collectives", action="store_true",
                  help="GEMMs only; collective parameters come from --base-profile "
                       "(for a single device)")
   p.add_argument("--base-profile", default=REFERENCE_PROFILE,
-                 help="profile to take unmeasured parameters from")
-  p.add_argument("--loops", type=int, default=4, help="operations per timed call")
-  p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement")
+                 help="profile to take unmeasured parameters from: a shipped name ("
+                      + ", ".join(known_profiles()) + ") or a profile JSON path")
+  p.add_argument("--loops", type=int, default=4, help="operations per timed call (>= 1)")
+  p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (>= 1)")
   p.add_argument("--report", default=None,
                  help="also write the raw timings and fits as JSON here")
   p.add_argument("--cpu-devices", type=int, default=8,
@@ -310,6 +323,149 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--process-id", type=int, default=None, help="this process's index")
   p.add_argument("--quiet", action="store_true", help="do not print each timing")
   return p
+
+
+# ----------------------------------------------------------------------------- checking
+# Every option is checked before JAX starts and before anything is timed (a calibration
+# takes minutes to hours on real hardware); each check raises ValueError with a message
+# that names the option, and the command lines turn it into `parser.error` (exit 2).
+
+def _positive_int(option: str, value, *, allow_zero: bool = False) -> None:
+  if value is not None and (value < 0 if allow_zero else value < 1):
+    kind = "a non-negative integer" if allow_zero else "a positive integer"
+    raise ValueError(f"{option} must be {kind}, got {value}")
+
+
+def _closest(text: str, known) -> str:
+  close = difflib.get_close_matches(text, list(known), n=1, cutoff=0.6)
+  return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_profile_option(option: str, name) -> HardwareProfile:
+  """`load_profile(name)`, or a ValueError naming `option` (with the closest shipped
+  profile name when `name` looks mistyped).
+
+  Example:
+    >>> check_profile_option("--base-profile", "tpu-v44")
+    Traceback (most recent call last):
+    ...
+    ValueError: --base-profile: unknown hardware profile 'tpu-v44'; ...; did you mean 'tpu-v4'?
+  """
+  try:
+    return load_profile(name)
+  except ValueError as e:
+    hint = "" if os.path.exists(name) else _closest(os.path.basename(name), known_profiles())
+    raise ValueError(f"{option}: {e}{hint}") from None
+
+
+def check_output_path(option: str, path: str, *, suffix: str | None = None) -> None:
+  """A ValueError naming `option` unless `path` can be written: not a directory, in an
+  existing writable directory, ending in `suffix` when given.
+
+  Example:
+    >>> check_output_path("--out", "/no/such/dir/p.json")
+    Traceback (most recent call last):
+    ...
+    ValueError: --out '/no/such/dir/p.json': directory '/no/such/dir' does not exist (...)
+  """
+  if not path:
+    raise ValueError(f"{option} must name a file, got {path!r}")
+  if os.path.isdir(path):
+    raise ValueError(f"{option} {path!r} is a directory; give a file name in it, e.g. "
+                     f"{os.path.join(path, 'profile' + (suffix or '.json'))!r}")
+  if suffix and not path.endswith(suffix):
+    raise ValueError(f"{option} must name a {suffix} file (the suffix by which load_profile "
+                     f"tells a profile file from a shipped profile's name), got {path!r}")
+  folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    raise ValueError(f"{option} {path!r}: directory {os.path.dirname(path) or folder!r} "
+                     "does not exist (create it first)")
+  if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
+                                                  and not os.access(path, os.W_OK)):
+    raise ValueError(f"{option} {path!r}: not writable")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Checked:
+  """The options of `calibrate` that `main` uses parsed: mesh shape, shard sizes (bytes),
+  collective kinds and the base profile."""
+
+  shape: tuple[int, int]
+  sizes: tuple[int, ...]
+  kinds: tuple[str, ...]
+  base: HardwareProfile
+
+
+def _check_args(args) -> _Checked:
+  """Every option of `calibrate`, checked; a ValueError names the first bad one. Every
+  process of a --distributed job checks the output paths too (each runs the same
+  command, and one that stopped alone would leave the others waiting), so their
+  directory must exist on every host, as it does on a shared file system."""
+  try:
+    shape = tuple(int(v) for v in args.mesh.lower().split("x"))
+  except ValueError:
+    shape = ()
+  if len(shape) != 2 or min(shape) < 1:
+    raise ValueError(f"--mesh must be RxC with positive R and C (e.g. 2x4), got {args.mesh!r}")
+  if args.name is not None and not args.name.strip():
+    raise ValueError(f"--name must be a non-empty profile name, got {args.name!r}")
+  if args.dtype not in DTYPES:
+    raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+  try:
+    kib = [float(v) for v in args.sizes_kib.split(",") if v.strip()]
+  except ValueError:
+    kib = [math.nan]
+  sizes = tuple(int(v * 1024) if math.isfinite(v) else 0 for v in kib)
+  if min(sizes, default=0) < 1 or (len(set(sizes)) < 2 and not args.skip_collectives):
+    raise ValueError("--sizes-kib must be >= 2 distinct positive shard sizes in KiB, "
+                     f"comma-separated (e.g. 16,64,256), got {args.sizes_kib!r}")
+  kinds = tuple(dict.fromkeys(k.strip() for k in args.kinds.split(",") if k.strip()))
+  for kind in kinds:
+    if kind not in COLLECTIVES:
+      raise ValueError(f"--kinds must be drawn from {', '.join(COLLECTIVES)} "
+                       f"(comma-separated), got {kind!r}{_closest(kind, COLLECTIVES)}")
+  if not kinds and not args.skip_collectives:
+    raise ValueError(f"--kinds names no collective; give some of {', '.join(COLLECTIVES)}, "
+                     "or --skip-collectives")
+  if args.hop_ratio is not None and not (math.isfinite(args.hop_ratio)
+                                         and args.hop_ratio >= 0):
+    raise ValueError("--hop-ratio must be a finite number >= 0 (hop_latency / "
+                     f"base_overhead), got {args.hop_ratio:g}")
+  if args.peak_flops is not None and not (math.isfinite(args.peak_flops)
+                                          and args.peak_flops > 0):
+    raise ValueError("--peak-flops must be a finite number > 0 (FLOP/s per device), got "
+                     f"{args.peak_flops:g}")
+  for option, value in (("--gemm-base", args.gemm_base), ("--gemm-min", args.gemm_min),
+                        ("--loops", args.loops), ("--repeats", args.repeats),
+                        ("--cpu-devices", args.cpu_devices),
+                        ("--num-processes", args.num_processes)):
+    _positive_int(option, value)
+  _positive_int("--process-id", args.process_id, allow_zero=True)
+  if args.gemm_min > args.gemm_base // 2:
+    raise ValueError(f"--gemm-min must be at most half of --gemm-base ({args.gemm_base // 2}), "
+                     f"so that more than one GEMM shape is timed; got {args.gemm_min}")
+  if (args.process_id is not None and args.num_processes is not None
+      and args.process_id >= args.num_processes):
+    raise ValueError(f"--process-id must be below --num-processes ({args.num_processes}), "
+                     f"got {args.process_id}")
+  if not args.distributed:
+    for option, value in (("--coordinator-address", args.coordinator_address),
+                          ("--num-processes", args.num_processes),
+                          ("--process-id", args.process_id)):
+      if value is not None:
+        raise ValueError(f"{option} only applies with --distributed")
+  if args.coordinator_address is not None:
+    host, _, port = args.coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError("--coordinator-address must be host:port (e.g. 10.0.0.1:1234), got "
+                       f"{args.coordinator_address!r}")
+  base = check_profile_option("--base-profile", args.base_profile)
+  check_output_path("--out", args.out, suffix=".json")
+  if args.report is not None:
+    check_output_path("--report", args.report)
+    if os.path.abspath(args.report) == os.path.abspath(args.out):
+      raise ValueError(f"--report must differ from --out (both {args.out!r})")
+  return _Checked(shape=shape, sizes=sizes, kinds=kinds, base=base)
 
 
 def mesh_devices(shape):
@@ -339,7 +495,9 @@ def _start_jax(args):
 
 
 def main(argv=None) -> int:
-  """Run the calibration; returns a process exit status (0 = profile written).
+  """Run the calibration; returns a process exit status (0 = profile written). Every
+  option is checked first: a bad one stops it with a usage error naming the option (exit
+  2) before JAX starts and before anything is measured.
 
   Example:
     >>> main(["--mesh", "2x4", "--out", "/tmp/cpu.json", "--sizes-kib", "4,64",
@@ -349,15 +507,10 @@ def main(argv=None) -> int:
   parser = _parser()
   args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
   try:
-    shape = tuple(int(v) for v in args.mesh.lower().split("x"))
-    assert len(shape) == 2 and min(shape) >= 1
-    sizes = [int(float(v) * 1024) for v in args.sizes_kib.split(",") if v]
-    assert len(sizes) >= 2 or args.skip_collectives
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    assert all(k in COLLECTIVES for k in kinds)
-  except (ValueError, AssertionError):
-    parser.error("--mesh must be RxC, --sizes-kib a list of >= 2 sizes, --kinds drawn "
-                 f"from {','.join(COLLECTIVES)}")
+    checked = _check_args(args)
+  except ValueError as e:
+    parser.error(str(e))
+  shape, sizes, kinds, base = checked.shape, checked.sizes, checked.kinds, checked.base
   jax = _start_jax(args)
   n = shape[0] * shape[1]
   if n > jax.device_count():
@@ -367,7 +520,6 @@ def main(argv=None) -> int:
   echo = None if args.quiet or not lead else print
   platform = jax.devices()[0].platform
   kind_name = getattr(jax.devices()[0], "device_kind", platform)
-  base = load_profile(args.base_profile)
   if lead:
     print(f"calibrating on {n} x {kind_name} ({platform}), mesh {shape[0]}x{shape[1]}, "
           f"{args.dtype}")

@@ -7,11 +7,76 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 
 from . import aot
 from .aot_sites import Case, compile_in_subprocess, flags_of
 
 DEFAULT_SHAPES = ("4096x4096x4096", "8192x8192x8192", "16384x4096x8192")
+DATAFLOWS = ("os", "ls", "rs")
+
+# the mesh axes each dim of an (M, K, N) GEMM is sharded over, per dataflow: the operand
+# specs of aot_sites._SPECS and the output's P("x", "y"), with mesh axes x = R, y = C
+_SHARDED_OVER = {"os": ("R", "RC", "C"), "ls": ("R", "C", "RC"), "rs": ("RC", "R", "C")}
+
+
+def _ints(text: str, sep: str) -> tuple[int, ...]:
+  """Positive integers separated by `sep`, or ValueError."""
+  values = tuple(int(v) for v in text.lower().split(sep))
+  if not values or min(values) < 1:
+    raise ValueError(text)
+  return values
+
+
+def _check_args(args):
+  """Every option of `calibrate --aot`, checked before anything is compiled: (generation,
+  mesh, shapes, ksplits, dataflows, base profile), or a ValueError naming the first bad
+  option."""
+  from meshslice.costmodel.calibrate import check_output_path, check_profile_option
+  try:
+    gen, dims = aot.parse_topology(args.aot)
+  except ValueError as e:
+    raise ValueError(f"--aot: {e}") from None
+  chips = math.prod(dims)
+  try:
+    mesh = _ints(args.mesh, "x") if args.mesh else (2, chips // 2)
+  except ValueError:
+    mesh = ()
+  if len(mesh) != 2 or mesh[0] * mesh[1] != chips:
+    raise ValueError(f"--mesh must be RxC with R * C = {chips} (the chips of {args.aot}), "
+                     f"got {args.mesh!r}")
+  try:
+    shapes = tuple(_ints(s, "x") for s in args.shapes.split(","))
+  except ValueError:
+    shapes = ()
+  if not shapes or any(len(s) != 3 for s in shapes):
+    raise ValueError("--shapes must be GEMM sizes MxKxN of positive integers, comma-separated "
+                     f"(e.g. 4096x4096x4096), got {args.shapes!r}")
+  try:
+    ksplits = tuple(dict.fromkeys(_ints(args.ksplits, ",")))
+  except ValueError:
+    raise ValueError("--ksplits must be positive integers, comma-separated (e.g. 1,2,4), got "
+                     f"{args.ksplits!r}") from None
+  flows = tuple(dict.fromkeys(f.strip() for f in args.dataflows.split(",") if f.strip()))
+  if not flows or not set(flows) <= set(DATAFLOWS):
+    raise ValueError(f"--dataflows must be drawn from {', '.join(DATAFLOWS)} "
+                     f"(comma-separated), got {args.dataflows!r}")
+  sizes = {"R": mesh[0], "C": mesh[1]}
+  for shape in shapes:
+    for name, extent, i in zip("MKN", shape, range(3)):
+      multiple = math.lcm(*(sizes[a] for f in flows for a in _SHARDED_OVER[f][i]))
+      if extent % multiple:
+        raise ValueError(f"--shapes: {'x'.join(map(str, shape))} does not shard over the "
+                         f"{mesh[0]}x{mesh[1]} mesh: {name} must be a multiple of {multiple} "
+                         f"(dataflows {','.join(flows)})")
+  base = check_profile_option("--profile", args.profile or gen.profile)
+  check_output_path("--out", args.out, suffix=".json")
+  if args.records is not None:
+    check_output_path("--records", args.records)
+    if os.path.abspath(args.records) == os.path.abspath(args.out):
+      raise ValueError(f"--records must differ from --out (both {args.out!r})")
+  return gen, mesh, shapes, ksplits, flows, base
 
 
 def calibrate_main(argv) -> int:
@@ -29,37 +94,32 @@ def calibrate_main(argv) -> int:
       description="Fit the planner's per-site compiler terms to ahead-of-time TPU compiles "
                   "and write them into a profile JSON (section 'compiler_terms').")
   parser.add_argument("--aot", required=True, metavar="TOPOLOGY", help="e.g. v4:2x2x2")
-  parser.add_argument("--mesh", default=None, help="mesh RxC (default: 2 x chips/2)")
+  parser.add_argument("--mesh", default=None,
+                      help="mesh RxC with R * C = the topology's chips (default: 2 x chips/2)")
   parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                      help="GEMM sizes MxKxN, comma-separated")
-  parser.add_argument("--ksplits", default="1,2,4", help="meshslice slice counts")
-  parser.add_argument("--dataflows", default="os,ls,rs", help="dataflows to compile")
+                      help="GEMM sizes MxKxN, comma-separated; each dim a multiple of the "
+                           "mesh axes it is sharded over")
+  parser.add_argument("--ksplits", default="1,2,4",
+                      help="meshslice slice counts, positive, comma-separated")
+  parser.add_argument("--dataflows", default=",".join(DATAFLOWS),
+                      help="dataflows to compile, comma-separated, from: "
+                           + ", ".join(DATAFLOWS))
   parser.add_argument("--profile", default=None,
                       help="base profile (default: the topology's generation's)")
-  parser.add_argument("--out", required=True, help="profile JSON to write")
+  parser.add_argument("--out", required=True,
+                      help="profile JSON to write (a .json name in an existing directory)")
   parser.add_argument("--records", default=None,
                       help="also write the compiled programs' figures here (JSON lines)")
   args = parser.parse_args(argv)
   try:
-    gen, dims = aot.parse_topology(args.aot)
-    chips = 1
-    for d in dims:
-      chips *= d
-    mesh = (tuple(int(v) for v in args.mesh.lower().split("x")) if args.mesh
-            else (2, chips // 2))
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
-    ksplits = tuple(int(v) for v in args.ksplits.split(","))
-    flows = tuple(args.dataflows.split(","))
-    assert set(flows) <= {"os", "ls", "rs"}
-    assert len(mesh) == 2 and mesh[0] * mesh[1] == chips and all(len(s) == 3 for s in shapes)
-  except (ValueError, AssertionError) as e:
-    parser.error(f"--aot / --mesh / --shapes / --ksplits: {e or 'malformed'}")
+    gen, mesh, shapes, ksplits, flows, base = _check_args(args)
+  except ValueError as e:
+    parser.error(str(e))
   if not aot.have_libtpu():
     parser.error("needs libtpu: pip install -e '.[tpu]'")
   import jax
-  from meshslice.costmodel import compiler_fit, load_profile, xla_baseline
+  from meshslice.costmodel import compiler_fit, xla_baseline
   from meshslice.costmodel.tpu_schedule import CLOCK_HZ
-  base = load_profile(args.profile or gen.profile)
   cases = [Case(dataflow=flow, m=m, k=k, n=n, label=f"{flow} {m}x{k}x{n}")
            for m, k, n in shapes for flow in flows]
   print(f"compiling {len(cases)} GEMM sites for {args.aot} as {mesh[0]}x{mesh[1]} "
