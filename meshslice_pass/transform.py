@@ -382,11 +382,8 @@ def transform(fn: Callable, **options) -> Transformed:
   and static args are kept). The result is called like `fn`, lowers with `.lower(...)`,
   and computes the same values and gradients up to float reassociation.
 
-  Options (each described in `meshslice.Options`): algorithm, ksplit (slices per site),
-  max_ksplit, min_block, strict, relayout (reshard an operand for a faster dataflow),
-  overrides (pin single sites), plan (apply a saved plan), profile (the hardware to plan
-  for), xla_baseline (the XLA program a rewrite must beat), compiler_terms (the fitted
-  TPU compiler terms), source_packages (installed packages holding your model code).
+  The keyword options are the fields of `meshslice.Options`, each documented there once
+  (the API reference renders it); an unknown one is a TypeError that lists them all.
 
   Example:
     >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)  # doctest: +SKIP
@@ -408,7 +405,8 @@ def transform(fn: Callable, **options) -> Transformed:
 def explain(fn: Callable, *, timings: bool = False, **options) -> Callable[..., Report]:
   """Return a function that, given `fn`'s inputs, reports what `transform` would do.
 
-  Works on abstract inputs (`jax.ShapeDtypeStruct` with shardings): nothing is allocated.
+  Takes `transform`'s options (the fields of `meshslice.Options`). Works on abstract
+  inputs (`jax.ShapeDtypeStruct` with shardings): nothing is allocated.
 
   With `timings=True` the function returns `(report, seconds)`, `seconds` a dict of the
   pass's phases: "trace", "analysis", "planning" and, on a concrete mesh, "emission"
