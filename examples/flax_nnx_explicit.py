@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     # small sizes it mostly keeps the plain collective; force slicing with ksplit=2 to
     # exercise the pipelined code. NNX sites are named by the parameter they read or
     # make (its attribute path in the model state), so overrides can select e.g. every
-    # projection of the MLPs: "*/mlp/*", or one: "blocks/mlp/wo".
+    # projection of the MLPs: "*/mlp/*", one in every block: "blocks/mlp/wo", or one
+    # block's: "blocks/1/mlp/wo" (a list of layers is named per position).
     options = dict(ksplit=2, overrides={"*/mlp/*": {"ksplit": 1}})
     fast_step = meshslice.transform(step, **options)
     new_params, new_opt, loss = fast_step(params, opt_state, x, y)

@@ -22,8 +22,8 @@ class MeshsliceError(ValueError):
 
 
 class PinError(MeshsliceError):
-  """A site setting (algorithm, dataflow, ksplit, rewrite, or the max_ksplit/min_block
-  bounds) that is malformed, or that the site it is pinned on cannot honour, wherever it
+  """A site setting (a pin key of `pins.PIN_KEYS`, or the max_ksplit/min_block bounds)
+  that is malformed, or that the site it is pinned on cannot honour, wherever it
   was given: the options, an override, or a plan entry."""
 
 

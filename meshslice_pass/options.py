@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import re
 
 from meshslice.costmodel import HardwareProfile, known_profiles, load_profile, xla_baseline
 
 from .errors import PinError
+from .param_names import module_matches
 from .plan import Plan
 from .pins import validate_algorithm, validate_count, validate_pin, validate_reduce_scatter
 
@@ -37,10 +37,12 @@ class Options:
       that more than 10% faster (noted in the report); False keeps every site in the
       dataflow its operands' layouts give (a pinned `dataflow` is still honoured).
     overrides: pin sites: {key: {"algorithm": ..., "dataflow": ..., "ksplit": ...,
-      "rewrite": bool, "reduce_scatter": ...}}. A key is a site index (int), a source
-      location "file:line" (the user's line; matched as a path suffix, e.g.
-      "model.py:41"), or a module-path
-      glob pattern (fnmatch, matched against the whole path, e.g. "*/MlpBlock_*/Dense_1").
+      "rewrite": bool, "reduce_scatter": ..., "hold_gathers": bool}}. A key is a site
+      index (int), a source location "file:line" (the user's line; matched as a path
+      suffix, e.g. "model.py:41"), or a module-path
+      glob pattern (fnmatch, matched against the whole path, e.g. "*/MlpBlock_*/Dense_1",
+      or against the path without its list positions: "layers/mlp/wo" matches
+      "layers/1/mlp/wo"; `param_names.module_matches`).
       Settings merge per key, the more specific key winning: index > file:line > module
       pattern > plan > the global options. Several patterns matching one site merge; two
       of them giving one setting different values is an error. A key that matches no
@@ -81,9 +83,8 @@ class Options:
       the CPU compiler, outside loop bodies. True: everywhere, loop bodies and TPU
       included. It trades step time for memory: inside the scanned layer XLA otherwise
       shares the activation's gather between the recomputed forward site and the late
-      weight gradient, and the gathered copy stays live through the attention backward.
-      Measured on 256 v4 chips (64x4, GPT-3 layer, tune's plan): libtpu's peak 4.98 ->
-      4.03 GiB (0.92x XLA's), step 157.5 -> 161.0 ms (docs/benchmarks.md). False: never.
+      weight gradient, and the gathered copy stays live through the attention backward
+      (what it saves and costs on a GPT-3 layer: docs/benchmarks.md). False: never.
       Also a per-site pin key (True / False); a saved plan records it where set.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
@@ -274,7 +275,7 @@ def _validate_override_key(key):
 
 
 def _module_matches(module: str, pattern: str) -> bool:
-  return bool(module) and fnmatch.fnmatchcase(module, pattern)
+  return bool(module) and module_matches(module, pattern)
 
 
 def _pattern_pin(overrides: dict, index: int, module: str, origin=None) -> dict:

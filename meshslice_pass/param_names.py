@@ -8,6 +8,25 @@ into an output leaf (the gradient itself) or into an optimizer update next to th
 parameter or its optimizer state. Those leaves have key paths, e.g.
 `['mlp']['wo']['kernel']`; the module of that parameter is `mlp/wo`.
 
+The naming rule (`module_of_key_path`): the names along the key path, joined by '/',
+without variable collections ('params'), optimizer and train-state containers
+('opt_state', 'mu', 'model', 'optimizer', ...), the attribute a framework keeps the array
+in (a trailing `.value`) and a layer's name for its array ('kernel', 'weight'). A list
+or tuple position is kept when it follows a kept name: the second layer of a list is
+`layers/1/mlp/wo`; positions anywhere else (the step's argument positions, an optax
+chain's states) name nothing and are dropped. Layers stacked into one parameter with a
+leading layer axis (used inside `scan`) are one leaf: one name, `layers/mlp/wo`.
+The steps of `nnx.jit` are named alike, graph and tree mode (`key_paths`): a Module's
+state by the attribute path of each Variable (`down`, `layers/0/mlp/wo`), the same
+names `jax.jit` over `nnx.split` state gets.
+
+The matching rule for module-path patterns (`module_matches`, used by `overrides` and
+`meshslice.tune`'s `modules`): a glob pattern (fnmatch, `*` also crosses '/') matched
+against the whole module path, or against that path without its positions. So
+`layers/1/mlp/wo` and `layers/*/mlp/wo` pick layers, while `layers/mlp/wo` and
+`*/mlp/wo` (patterns written before positions were kept) match the site of every layer,
+as before.
+
 Names follow a parameter through the ops it passes on its way to a matmul (casts,
 transposes, reshapes, layer-stack slicing, sharding constraints) and into the bodies of
 jit, remat, scan, while and cond. Names are kept per place in the program (a body JAX
@@ -20,17 +39,29 @@ Example:
   'embed'
   >>> module_of_key_path("[0]['layers']['mlp']['wo']")
   'layers/mlp/wo'
+  >>> module_of_key_path("[0]['layers'][1]['mlp']['wo']['kernel']")
+  'layers/1/mlp/wo'
   >>> module_of_key_path("[0]['attn']['value']['kernel'].value")
+  'attn/value'
+  >>> module_of_key_path("[0][0].attn.value.kernel.value")
   'attn/value'
   >>> module_of_key_path("[0]['optimizer']['opt_state'][0]['mu']['decoder']['mlp']['wo']"
   ...                     "['kernel'].value")
   'decoder/mlp/wo'
+  >>> module_matches("layers/1/mlp/wo", "layers/mlp/wo")
+  True
+  >>> module_matches("layers/1/mlp/wo", "layers/0/*")
+  False
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 
+import jax
+
 from ._jax_internals import Literal, scan_counts, sub_jaxprs, while_counts
+from .nnx_jit import is_nnx_container, nnx_key_paths
 
 # A parameter passes through these unchanged in meaning: re-typed, re-laid, sliced.
 _PASS_THROUGH = frozenset({
@@ -43,16 +74,17 @@ _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "add_any", "select_
                           "min", "sqrt", "rsqrt", "integer_pow", "square"})
 _CALLS = frozenset({"jit", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"})
 # key-path parts that are containers, not names: variable collections and optimizer
-# states (dict keys), and the attribute a framework keeps the array in (`.value`; a dict
-# key 'value' is a name: an attention's value projection). 'model' and 'optimizer' are
-# the halves of an NNX train state (MaxText's TrainStateNNX, nnx.Optimizer): without
-# them a weight gradient, named through the optimizer state it updates, gets the same
-# module as its parameter ('decoder/layers/mlp/wo' for both).
+# states (dict keys or attributes). 'model' and 'optimizer' are the halves of an NNX train
+# state (MaxText's TrainStateNNX, nnx.Optimizer): without them a weight gradient, named
+# through the optimizer state it updates, gets the same module as its parameter
+# ('decoder/layers/mlp/wo' for both).
 _NOT_NAMES = frozenset({"params", "param", "state", "opt_state", "variables",
                         "trainable_variables", "mu", "nu", "trace", "inner_state",
                         "model", "optimizer"})
-_NOT_ATTRIBUTES = frozenset({"value", "raw_value", "_value", "mu", "nu", "trace",
-                             "inner_state"})
+# the attribute a framework keeps the array in, when it ends the path (`.value`); inside
+# a path it is a name (an NNX attention's `value` projection: `.attn.value.kernel.value`),
+# as a dict key 'value' always is
+_VALUE_ATTRIBUTES = frozenset({"value", "raw_value", "_value"})
 
 
 # the names layers give their arrays: dropped, so `up/kernel` is the module `up`
@@ -62,14 +94,67 @@ _LEAF_NAMES = frozenset({"kernel", "bias", "scale", "embedding", "embeddings", "
 
 def module_of_key_path(key_path: str) -> str:
   """The module of a parameter from its pytree key path: the names along it without
-  positions, collections ('params'), optimizer states, value attributes, and a layer's
-  name for its array ('kernel'); '' for a leaf with no name (a data input)."""
+  collections ('params'), optimizer states, a trailing value attribute and a layer's
+  name for its array ('kernel'); a position is kept after a kept name (`layers/1/mlp`),
+  dropped elsewhere; '' for a leaf with no name (a data input)."""
   parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)", key_path)
-  names = [(name or attr) for name, _, attr in parts
-           if (name and name not in _NOT_NAMES) or (attr and attr not in _NOT_ATTRIBUTES)]
+  names, after_name = [], False
+  for k, (key, position, attr) in enumerate(parts):
+    if position:
+      keep = after_name
+    elif attr and attr in _VALUE_ATTRIBUTES:
+      keep = k < len(parts) - 1
+    else:
+      keep = (key or attr) not in _NOT_NAMES
+    if keep:
+      names.append(position or key or attr)
+    after_name = keep
   if len(names) > 1 and names[-1] in _LEAF_NAMES:
     names = names[:-1]
   return "/".join(names)
+
+
+def without_positions(module: str) -> str:
+  """`module` without its list positions: 'layers/1/mlp/wo' -> 'layers/mlp/wo'."""
+  return "/".join(part for part in module.split("/") if not part.isdigit())
+
+
+def module_matches(module: str, pattern: str) -> bool:
+  """Whether the module-path glob `pattern` (fnmatch; `*` also matches '/') matches the
+  whole of `module`, or the whole of it without list positions (`without_positions`):
+  `layers/1/*` matches layer 1's sites only, `layers/mlp/wo` every layer's `mlp/wo`."""
+  return (fnmatch.fnmatchcase(module, pattern)
+          or fnmatch.fnmatchcase(without_positions(module), pattern))
+
+
+def _labelled(node) -> bool:
+  """A variable that carries its own name: penzai's Parameter / ParameterValue /
+  StateVariable (`label="transformer/block_0/attention/query.weights"`, `value=...`)."""
+  fields = getattr(type(node), "__dataclass_fields__", {})
+  # fields, not attributes: an unbound penzai slot raises on `.value`
+  return "label" in fields and "value" in fields and isinstance(node.label, str)
+
+
+def key_paths(tree) -> list:
+  """The key path of every leaf of `tree`, as `jax.tree_util.keystr` writes it; the
+  leaves of a labelled variable get its label as the path instead (penzai keeps its
+  parameters in a flat tuple, whose positions name nothing), and those of the containers
+  `nnx.jit` passes Modules in their Variables' attribute paths (`nnx_jit.nnx_key_paths`;
+  '' where NNX's layout is not understood: no name rather than an internal one)."""
+  paths = []
+  is_leaf = lambda node: _labelled(node) or is_nnx_container(node)
+  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    if _labelled(node):
+      name = "".join(f"['{part}']" for part in re.split(r"[/.]", node.label) if part)
+      paths += [name] * len(jax.tree_util.tree_leaves(node))
+    elif is_nnx_container(node):
+      prefix = jax.tree_util.keystr(path)
+      inner = nnx_key_paths(node)
+      paths += ([prefix + p for p in inner] if inner is not None
+                else [""] * len(jax.tree_util.tree_leaves(node)))
+    else:
+      paths.append(jax.tree_util.keystr(path))
+  return paths
 
 
 class ParamNames:

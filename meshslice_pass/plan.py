@@ -15,14 +15,23 @@ import json
 import os
 
 from .errors import PinError, PlanError
-from .pins import validate_algorithm, validate_count, validate_pin, validate_reduce_scatter
+from .param_names import without_positions
+from .pins import (unknown_key, validate_algorithm, validate_count, validate_pin,
+                   validate_reduce_scatter)
 
 _FIELDS = {"index": int, "path": list, "source": str, "rewritten": bool}
 _OPTIONAL = {"algorithm": (str, type(None)), "dataflow": (str, type(None)),
              "ksplit": (int, type(None)), "rewrite": (bool,), "module": (str,),
              "reduce_scatter": (str, type(None)), "hold_gathers": (bool,),
              "predicted_seconds": (float, int, type(None)),
-             "baseline_seconds": (float, int, type(None))}
+             "baseline_seconds": (float, int, type(None)),
+             # set by `Plan.edit`: the entry pins what it holds even if not rewritten
+             "edited": (bool,)}
+# Every key a plan may hold, at the top level and in a site entry: any other is an error
+# (a hand-edited "ksplits": 2 would otherwise apply the plan without it). `mesh_shape`
+# maps the user's axis names to sizes, so its keys are data, not names.
+_TOP_LEVEL = ("mesh_shape", "sites", "version")
+_ENTRY_KEYS = tuple(sorted((*_FIELDS, *_OPTIONAL)))
 VERSION = 1
 
 
@@ -79,6 +88,9 @@ class Plan:
       data = json.loads(text)
     except json.JSONDecodeError as e:
       raise PlanError(f"{where} is not valid JSON: {e}") from None
+    for name in data if isinstance(data, dict) else ():
+      if name not in _TOP_LEVEL:
+        raise PlanError(unknown_key(where, name, _TOP_LEVEL))
     if not isinstance(data, dict) or data.get("version") != VERSION:
       raise PlanError(f"{where}: expected a JSON object with \"version\": {VERSION}")
     mesh_shape = data.get("mesh_shape")
@@ -93,6 +105,12 @@ class Plan:
     for k, entry in enumerate(sites):
       if not isinstance(entry, dict):
         raise PlanError(f"{where}: sites[{k}] must be an object")
+      for name in entry:
+        if name not in _ENTRY_KEYS:
+          index = entry.get("index")
+          site = (f" (site #{index})" if isinstance(index, int)
+                  and not isinstance(index, bool) else "")
+          raise PlanError(unknown_key(f"{where}: sites[{k}]{site}", name, _ENTRY_KEYS))
       for name, kind in _FIELDS.items():
         if name not in entry:
           raise PlanError(f"{where}: sites[{k}] is missing field {name!r}")
@@ -157,9 +175,10 @@ class Plan:
           return {}
         pin = {k: entry[k] for k in ("algorithm", "dataflow", "ksplit", "reduce_scatter")
                if entry.get(k)}
-        if pin.get("algorithm"):
+        if pin.get("algorithm") and entry["rewritten"]:
           # a site without a recorded form was planned with one reduce-scatter: so it
-          # stays, whatever "auto" would pick under other flags
+          # stays, whatever "auto" would pick under other flags (an edited left-alone
+          # entry was not planned: it pins what the edit gave, no form)
           pin.setdefault("reduce_scatter", "reduce_scatter")
         if "hold_gathers" in entry:             # a bool: False is a pin too
           pin["hold_gathers"] = entry["hold_gathers"]
@@ -196,12 +215,13 @@ def _where(source: str, module: str = "") -> str:
 
 
 def _same_site(entry: dict, site) -> bool:
-  """Whether plan `entry` describes `site`: the same module path (when both have one)
-  and the same source, compared as portable paths; a path that is a '/'-suffix of the
-  other matches (a plan saved with absolute paths, or from another project root), and
-  with equal module paths the file name and line suffice."""
+  """Whether plan `entry` describes `site`: the same module path (when both have one;
+  a path saved before list positions were named, 'layers/mlp/wo', matches
+  'layers/1/mlp/wo') and the same source, compared as portable paths; a path that is a
+  '/'-suffix of the other matches (a plan saved with absolute paths, or from another
+  project root), and with equal module paths the file name and line suffice."""
   module, saved = getattr(site, "module", ""), entry.get("module", "")
-  if saved and module and saved != module:
+  if saved and module and saved not in (module, without_positions(module)):
     return False
   a, b = entry["source"], site.source
   if a == b or (a and b and (a.endswith("/" + b) or b.endswith("/" + a))):

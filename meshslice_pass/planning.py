@@ -35,6 +35,7 @@ from . import analysis as A
 from . import backend_flags
 from . import costing
 from . import matching
+from . import pins
 from . import specs as S
 from .errors import PinError
 from ._jax_internals import eqn_name_stack, is_literal, sub_jaxprs
@@ -76,6 +77,9 @@ class Site:
   mesh_axes: tuple = ()
   reason: str = ""
   note: str = ""
+  # what this site did not do of its pins, as "<where>: <key>=<value> not used: <why>"
+  # (`pins.judge`; also in `note`): the report shows them for left-alone sites too
+  pin_notes: tuple = ()
   swapped: bool = False
   predicted_seconds: float | None = None
   baseline_seconds: float | None = None
@@ -118,7 +122,22 @@ def _profile(ctx, geometry):
 def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
   sites = []
   _walk(closed.jaxpr, analysis, ctx, (), [], sites)
-  return tuple(sites)
+  return _judge_pins(tuple(sites), ctx)
+
+
+def _judge_pins(sites, ctx) -> tuple:
+  """`sites` with the pin rule applied (`pins.judge`, pins.py's docstring): every pinned
+  setting is honoured, noted on its site, or an error naming it. Each site is judged by
+  its own request (sites planned once and shared have different pins' origins). A plan
+  is first checked to be this program's, so its pins are judged on the sites it names."""
+  plan = getattr(ctx.options, "plan", None)
+  if plan is not None:
+    plan.check_matches(sites, ctx.axis_sizes)
+  notes = pins.judge(sites, lambda s: ctx.options.request_for(
+      index=s.index, source=s.source, module=s.module))
+  return tuple(dataclasses.replace(s, note=_join(s.note, *notes[s.index]),
+                                   pin_notes=notes[s.index]) if s.index in notes else s
+               for s in sites)
 
 
 def _walk(jaxpr, analysis, ctx, prefix, context, sites):
@@ -264,17 +283,11 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
 
 def _hold_gathers(site, request):
   """`site` with the hold_gathers request applied: only a rewritten weight gradient (a
-  swapped site) gathers an operand that is ready long before the other; a pin that
-  cannot apply is said in the note (the global option is for the sites it applies to)."""
-  if request.hold_gathers is None or not site.rewritten:
+  swapped site) gathers an operand that is ready long before the other (a pin elsewhere
+  is noted by the pin rule, `pins.PIN_RULES`)."""
+  if request.hold_gathers is None or not site.rewritten or not site.swapped:
     return site
-  if site.swapped:
-    return dataclasses.replace(site, hold_gathers=request.hold_gathers)
-  if not request.pinned_by("hold_gathers"):
-    return site
-  return dataclasses.replace(site, note=_join(site.note, (
-      f"{_pinned_by(request, 'hold_gathers')}hold_gathers={request.hold_gathers!r} not "
-      "used: only weight gradients (sites with swapped operands) hold their gathers back")))
+  return dataclasses.replace(site, hold_gathers=request.hold_gathers)
 
 
 # What differs between two sites with the same decision.
@@ -399,7 +412,7 @@ def _versus_xla(best, site, ctx, request, base):
   plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
   return Site(rewritten=False, predicted_seconds=xla.seconds,
               baseline_seconds=site.baseline_seconds, profile=profile,
-              reason=(f"left to XLA: the best rewrite ({plan}) "
+              reason=(f"{pins.LEFT_TO_XLA}: the best rewrite ({plan}) "
                       f"{best.predicted_seconds * 1e6:.1f} us is not predicted faster than "
                       f"XLA's own program ({xla.description}) {xla.seconds * 1e6:.1f} us "
                       f"by more than the {costing.XLA_MARGIN:.0%} margin"),
@@ -486,12 +499,11 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     if algorithm is None:     # every candidate is too big for the chip
       return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
                                  block=None, predicted_seconds=None, reason=note)
-  form, form_note = _scatter_form(request, algorithm, match.dataflow,
-                                  _automatic_scatter_form(ctx))
+  form = _scatter_form(request, algorithm, match.dataflow, _automatic_scatter_form(ctx))
   return dataclasses.replace(site, algorithm=algorithm, ksplit=ksplit,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              reduce_scatter=form, predicted_seconds=seconds,
-                             note=_join(site.note, note, form_note))
+                             note=_join(site.note, note))
 
 
 def _automatic_scatter_form(ctx) -> str | None:
@@ -509,21 +521,16 @@ def _automatic_scatter_form(ctx) -> str | None:
 
 
 def _scatter_form(request, algorithm, dataflow, automatic=None):
-  """(the site's reduce-scatter form or None for one collective, a note when a form
-  pinned on this site does not apply): only ls / rs sites of meshslice and collective
-  reduce-scatter; "auto" (or None) is `automatic`, what it means for this mesh."""
+  """The site's reduce-scatter form, None for one collective: only ls / rs sites of
+  meshslice and collective reduce-scatter (a form pinned on another site is noted by the
+  pin rule, `pins.PIN_RULES`); "auto" (or None) is `automatic`, what it means for this
+  mesh."""
   asked = request.reduce_scatter
   if asked in (None, "auto"):
     asked = automatic
-  if asked in (None, "reduce_scatter"):
-    return None, ""
-  if dataflow in ("ls", "rs") and algorithm in ("meshslice", "collective"):
-    return asked, ""
-  if not request.pinned_by("reduce_scatter") or request.reduce_scatter in (None, "auto"):
-    return None, ""      # the global option (or "auto") is for the sites it applies to
-  return None, (f"{_pinned_by(request, 'reduce_scatter')}reduce_scatter={asked!r} not used: "
-                f"only the ls / rs sites of meshslice and collective take it (this is "
-                f"{algorithm} {dataflow})")
+  if asked in (None, "reduce_scatter") or not pins.takes_reduce_scatter(algorithm, dataflow):
+    return None
+  return asked
 
 
 def _module(scoped: str, param: str, call_chain) -> str:

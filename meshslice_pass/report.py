@@ -119,7 +119,7 @@ class Report:
                    s.context,
                    f"{_shape(s.lhs_shape)} {s.lhs_spec}", f"{_shape(s.rhs_shape)} {s.rhs_spec}",
                    s.out_spec, plan, _us(s.predicted_seconds), _us(s.baseline_seconds),
-                   s.reason or s.note))
+                   _why(s)))
     widths = [max(len(c), *(len(r[k]) for r in rows)) if rows else len(c)
               for k, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
@@ -139,6 +139,14 @@ class Report:
         lines.append(f"  {len(indexes)} x {label}: sites {_ranges(indexes)}"
                      + (f" (e.g. {example})" if example != label else ""))
     return "\n".join(lines)
+
+
+def _why(site) -> str:
+  """The reason / note column: a left-alone site's reason, and what its pins did not do
+  (`Site.pin_notes`); a rewritten site's note (which holds those too)."""
+  if not site.reason:
+    return site.note
+  return "; ".join((site.reason, *getattr(site, "pin_notes", ())))
 
 
 def _us(seconds) -> str:

@@ -31,11 +31,18 @@ libtpu in use: nothing runs on a device, nothing is timed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import fnmatch
+import math
 import numbers
 import os
+import re
+from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING
+
+from .errors import MeshsliceError, PinError
+from .param_names import module_matches
+from .pins import _did_you_mean, validate_count
 
 if TYPE_CHECKING:
   from .aot import AotResult
@@ -123,8 +130,9 @@ def _frozen(report):
 
 
 def _module_matches(module: str, patterns: tuple) -> bool:
-  """Whether a site's module path matches one of `patterns` (fnmatch); () matches all."""
-  return not patterns or any(fnmatch.fnmatchcase(module, p) for p in patterns)
+  """Whether a site's module path matches one of `patterns` (`module_matches`: fnmatch,
+  on the whole path or the path without list positions); () matches all."""
+  return not patterns or any(module_matches(module, p) for p in patterns)
 
 
 def _sliced(report, plan, request: SlicedSites):
@@ -230,20 +238,261 @@ def _generation(mesh):
   return next((g for g in map(tpu_generation, kinds) if g), None)
 
 
+# ----------------------------------------------------------------------------- arguments
+# tune checks every argument and every candidate before it loads libtpu or compiles: a
+# mistake costs no compile, and a run of many compiles does not fail at its end.
+
+_DATAFLOWS = ("os", "ls", "rs")
+# the names refine= gives the plans it compiles: f"refine {sweep}: {move}"
+_REFINED_NAME = re.compile(r"refine \d+: ")
+
+
+def _check_keywords(step, *, echo, results, max_peak, refine) -> None:
+  """tune's step and its keywords other than mesh, topology, profile and candidates."""
+  if not callable(step):
+    raise MeshsliceError("tune: step must be a callable (the jitted training step), got "
+                         f"{type(step).__name__}")
+  if echo is not None and not callable(echo):
+    raise MeshsliceError("tune: echo must be a print-like callable (e.g. echo=print) or "
+                         f"None for no output, got {type(echo).__name__} {echo!r}")
+  if results is not None and not isinstance(results, MutableMapping):
+    raise MeshsliceError("tune: results must be a dict (it receives {name: Candidate}) or "
+                         f"None, got {type(results).__name__}; pass results={{}}")
+  if max_peak is not None and (isinstance(max_peak, bool) or not isinstance(
+      max_peak, numbers.Real) or not max_peak > 0):
+    raise MeshsliceError("tune: max_peak must be a positive number (a multiple of XLA's "
+                         f"program's peak memory, e.g. 1.10) or None, got {max_peak!r}")
+  if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+    raise MeshsliceError("tune: refine must be a non-negative int (sweeps of local search "
+                         f"after the candidates; 0 for none), got {refine!r}")
+
+
+def _target(mesh, topology) -> tuple:
+  """(TPU generation name, mesh shape) of tune's mesh= and topology=; the shape is None
+  for a concrete mesh."""
+  from jax.sharding import Mesh
+  from . import aot
+  if isinstance(mesh, Mesh):
+    if topology is not None:
+      raise MeshsliceError(
+          f"tune: topology={topology!r} goes with a mesh shape (mesh=(2, 4), "
+          "topology='v4:2x2x2'), but mesh is a concrete Mesh, whose devices are its "
+          "topology; drop topology=, or pass the mesh's shape")
+    generation = _generation(mesh)
+    if generation is None:
+      raise MeshsliceError("tune: the mesh's devices are not TPUs; tune compiles for a TPU "
+                           "topology (meshslice.aot.make_mesh)")
+    return generation, None
+  if topology is None:
+    raise MeshsliceError(
+        "tune: mesh must be a concrete jax.sharding.Mesh of TPU devices (aot.make_mesh), "
+        "or a shape tuple together with topology=, e.g. mesh=(2, 4), topology='v4:2x2x2'; "
+        f"got {type(mesh).__name__} {mesh!r}")
+  if not isinstance(mesh, (tuple, list)) or not mesh or not all(
+      isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in mesh):
+    raise MeshsliceError("tune: mesh shape must be a tuple of positive ints, one size per "
+                         f"mesh axis (e.g. (2, 4)), got {mesh!r}")
+  if not isinstance(topology, str):
+    raise MeshsliceError("tune: topology must be a TPU topology name such as 'v4:2x2x2', "
+                         f"got {type(topology).__name__} {topology!r}")
+  try:
+    gen, dims = aot.parse_topology(topology)
+  except ValueError as e:
+    raise MeshsliceError(f"tune: {e}") from None
+  shape = tuple(int(v) for v in mesh)
+  if math.prod(shape) != math.prod(dims):
+    raise MeshsliceError(
+        f"tune: mesh shape {shape} has {math.prod(shape)} devices but topology "
+        f"{topology!r} has {math.prod(dims)} chips; pick a shape whose product is "
+        f"{math.prod(dims)}")
+  return gen.name, shape
+
+
+def _is_array(leaf) -> bool:
+  import jax
+  return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def _axis_names(args, shape: tuple, topology: str) -> tuple:
+  """The axis names of the mesh the arguments' NamedShardings are over, which a mesh
+  `shape` on `topology` takes."""
+  import jax
+  from jax.sharding import NamedSharding
+  names = list(dict.fromkeys(
+      tuple(a.sharding.mesh.axis_names) for a in jax.tree.leaves(args)
+      if _is_array(a) and isinstance(getattr(a, "sharding", None), NamedSharding)))
+  if not names:
+    raise MeshsliceError(
+        f"tune: mesh={shape} with topology= moves the arguments' NamedShardings onto "
+        f"{topology!r}, but no argument has one; shard the arguments over a mesh with "
+        f"{len(shape)} axes, or pass a concrete mesh, mesh=aot.make_mesh({topology!r}, "
+        f"{shape}, axis_names)")
+  if len(names) > 1:
+    raise MeshsliceError(
+        "tune: the arguments' NamedShardings are over meshes with different axis names, "
+        f"{names[0]} and {names[1]}; tune moves them onto one mesh of {topology!r}: shard "
+        "every argument over one mesh's axes")
+  if len(names[0]) != len(shape):
+    raise MeshsliceError(
+        f"tune: mesh={shape} has {len(shape)} axes but the arguments' NamedShardings are "
+        f"over {len(names[0])}, {names[0]}; give one size per axis")
+  return names[0]
+
+
+def _onto(mesh, args):
+  """`args` for `mesh` (a topology's): each array with a NamedSharding abstract, that
+  sharding's spec on `mesh`; each other array (a sharding on one device, or none)
+  abstract and unsharded, which jit places replicated, as on a concrete mesh; every
+  other leaf (static arguments, Python scalars, numpy values) as it is."""
+  import jax
+  from jax.sharding import NamedSharding
+
+  def move(leaf):
+    if not _is_array(leaf):
+      return leaf
+    sharding = getattr(leaf, "sharding", None)
+    return jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, weak_type=getattr(leaf, "weak_type", False),
+        sharding=NamedSharding(mesh, sharding.spec)
+        if isinstance(sharding, NamedSharding) else None)
+
+  return jax.tree.map(move, args)
+
+
+def _check_profile(profile, generation: str):
+  """tune's profile=, or the generation's profile where it is None."""
+  from meshslice.costmodel import HardwareProfile, known_profiles
+  from . import aot
+  from .options import Options
+  if profile is None:
+    return aot.GENERATIONS[generation].profile
+  if not isinstance(profile, (str, os.PathLike, HardwareProfile)):
+    raise MeshsliceError(
+        f"tune: profile must be a shipped hardware profile name ({', '.join(known_profiles())}),"
+        " the path of a profile JSON file, a meshslice.costmodel.HardwareProfile, or None "
+        f"for the topology's generation's, got {type(profile).__name__} {profile!r}")
+  try:
+    Options.from_kwargs("tune", {"profile": profile})
+  except ValueError as e:
+    raise MeshsliceError(f"tune: {e}") from None
+  return profile
+
+
+def _check_derived(name: str, request, earlier: list, later: list) -> None:
+  """A SlicedSites or HeldGathers candidate: its base an earlier candidate (not "xla"),
+  its dataflow and ksplit valid pins, its modules a tuple of patterns."""
+  kind = type(request).__name__
+  verb = "slices" if isinstance(request, SlicedSites) else "holds the gathers of"
+  base = request.base
+  if not isinstance(base, str):
+    raise MeshsliceError(f"tune: candidate {name!r}: {kind} base must be the name (str) "
+                         f"of an earlier candidate, got {base!r}")
+  if base == "xla":
+    raise MeshsliceError(
+        f"tune: candidate {name!r} {verb} the plan of 'xla', XLA's own program, which "
+        "rewrites no site; base it on an earlier candidate of transform options, e.g. "
+        "'collective': {'algorithm': 'collective'}")
+  if base not in earlier:
+    hint = (f"; put {base!r} before {name!r}" if base in later
+            else _did_you_mean(base, earlier))
+    raise MeshsliceError(f"tune: candidate {name!r} {verb} the plan of {base!r}, which "
+                         f"must be an earlier candidate{hint}")
+  if isinstance(request, SlicedSites):
+    if request.dataflow not in _DATAFLOWS:
+      raise PinError(
+          f"tune: candidate {name!r}: SlicedSites dataflow must be one of "
+          f"{', '.join(map(repr, _DATAFLOWS))}, got {request.dataflow!r}"
+          f"{_did_you_mean(request.dataflow, _DATAFLOWS)}")
+    validate_count(f"tune: candidate {name!r}: SlicedSites ksplit", request.ksplit)
+  modules = request.modules
+  if not isinstance(modules, (tuple, list)) or not all(isinstance(p, str) for p in modules):
+    raise MeshsliceError(
+        f"tune: candidate {name!r}: {kind} modules must be a tuple of module-path patterns "
+        f"(fnmatch), e.g. ('*w_up',), or () for every site, got {modules!r}")
+
+
+def _check_candidates(candidates, profile) -> dict:
+  """tune's candidates=, each checked as `tune` documents (options by transform's own
+  validation, under the candidate's name)."""
+  from .options import Options
+  if not isinstance(candidates, Mapping):
+    raise MeshsliceError("tune: candidates must be a mapping of name -> options, got "
+                         f"{type(candidates).__name__}; pass {{'mine': {{...}}}}")
+  names = list(candidates)
+  for position, (name, options) in enumerate(candidates.items()):
+    if not isinstance(name, str) or not name.strip():
+      raise MeshsliceError(f"tune: a candidate's name must be a non-empty str, got {name!r}; "
+                           "e.g. {'ksplit=2': {'ksplit': 2}}")
+    if name == "xla":
+      raise MeshsliceError(
+          "tune: the candidate name 'xla' is reserved for XLA's own program (every site "
+          "left alone), which tune always compiles first and which wins ties; name yours "
+          "otherwise")
+    if _REFINED_NAME.match(name):
+      raise MeshsliceError(
+          f"tune: the candidate name {name!r} is reserved: 'refine <sweep>: <move>' names "
+          "the plans refine= compiles; name yours otherwise")
+    if isinstance(options, (SlicedSites, HeldGathers)):
+      _check_derived(name, options, names[:position], names[position + 1:])
+    elif isinstance(options, dict):
+      try:
+        Options.from_kwargs("meshslice.transform", {"profile": profile, **options})
+      except (TypeError, ValueError) as e:
+        error = type(e) if isinstance(e, MeshsliceError) else MeshsliceError
+        raise error(f"tune: candidate {name!r}: {e}") from None
+    else:
+      hint = ("; XLA's own program is the 'xla' candidate, always compiled" if options is None
+              else "; e.g. {'algorithm': 'collective'}")
+      raise MeshsliceError(
+          f"tune: candidate {name!r} must be a dict of meshslice.transform options, a "
+          f"SlicedSites or a HeldGathers, got {options!r}{hint}")
+  return dict(candidates)
+
+
+@contextlib.contextmanager
+def _default_flags(generation: str):
+  """The generation's async libtpu flags in LIBTPU_INIT_ARGS while libtpu loads, when
+  neither they are set nor libtpu is loaded (otherwise nothing changes).
+
+  On an error before libtpu loaded (read them), LIBTPU_INIT_ARGS is unset again: the
+  process is as it was. Once libtpu has loaded, they are this process's libtpu flags for
+  good (read once per process), and LIBTPU_INIT_ARGS keeps saying so, error or not: the
+  planner and `aot.analyze` read it as the flags the compiler runs with."""
+  from . import aot
+  if aot._FLAGS_AT_LOAD or "LIBTPU_INIT_ARGS" in os.environ:
+    yield
+    return
+  aot.set_flags(*aot.preset_flags("async", generation))
+  try:
+    yield
+  except BaseException:
+    if not aot._FLAGS_AT_LOAD:                   # libtpu did not load: the flags never took
+      os.environ.pop("LIBTPU_INIT_ARGS", None)
+    raise
+
+
 def tune(step, *args, mesh, topology: str | None = None, candidates=None,
          profile: str | None = None, echo=None, results: dict | None = None,
          max_peak: float | None = None, refine: int = 0):
   """The fastest of the candidate plans for `step` on `mesh`, as a `meshslice.Plan`.
 
-  step: the user's jitted step; args: its abstract arguments (ShapeDtypeStructs with
-  shardings on `mesh`). mesh: a concrete `jax.sharding.Mesh` of TPU devices (e.g.
-  `aot.make_mesh("v4:8x8x4", (64, 4))`), or a shape tuple with `topology`, in which
-  case the arguments' shardings are moved onto that topology's mesh (same axis names
-  and specs). candidates: {name: meshslice.transform options, or a `SlicedSites` or
-  `HeldGathers` of an earlier candidate} (default `CANDIDATES`);
-  "xla" (every site left alone) is always compiled first and wins ties. profile: for
-  planning and the simulator (default: the topology's generation). echo: a print-like
-  callable for one line per candidate. results: a dict to receive {name: Candidate}.
+  step: the user's jitted step; args: its arguments, as it takes them: abstract arrays
+  (ShapeDtypeStructs with shardings on `mesh`; one without a sharding is placed
+  replicated, as jit places it), and static or Python values, passed on as they are.
+  mesh: a concrete `jax.sharding.Mesh` of TPU devices (e.g.
+  `aot.make_mesh("v4:8x8x4", (64, 4))`), or a shape tuple with `topology` (a name such
+  as "v4:8x8x4", as many chips as the shape has devices). Given a shape, the arguments'
+  NamedShardings (all over one mesh's axes, as many as the shape has) are moved onto
+  the topology's mesh with the same axis names and specs; every other argument goes to
+  the step as it would on a concrete mesh: an array with no NamedSharding (none, or one
+  device's) abstract and unsharded, static and Python values unchanged.
+  candidates: a mapping {name: meshslice.transform options (a dict), or a `SlicedSites`
+  or `HeldGathers` of an earlier candidate} (default `CANDIDATES`); "xla" (every site
+  left alone) is always compiled first and wins ties, so no candidate may take that name
+  (nor a refine= name, "refine <sweep>: <move>"). profile: for planning and the
+  simulator (default: the topology's generation). echo: a print-like callable for one
+  line per candidate, or None. results: a dict (any mutable mapping) to receive
+  {name: Candidate}, or None.
   max_peak: a memory budget, as a multiple of the "xla" program's peak per device
   (libtpu's `peak_memory_in_bytes`), e.g. 1.10: only candidates within it are chosen
   ("xla" always is). None: no budget. refine: sweeps of local search after the
@@ -254,116 +503,100 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   starts from where it ended, and a sweep that keeps nothing ends the search. A sweep
   compiles about two programs per module and dataflow (GPT-3's layer: ~30).
 
+  Every argument and every candidate is checked before libtpu loads or anything
+  compiles: a candidate's options by transform's own validation, its error prefixed with
+  the candidate's name; a SlicedSites' dataflow is exactly "os", "ls" or "rs" and its
+  ksplit a positive int; a SlicedSites' or HeldGathers' base is an earlier candidate
+  other than "xla" and its modules a tuple of patterns.
+
   libtpu reads its flags once per process: set them before the first compile (when
   neither LIBTPU_INIT_ARGS is set nor libtpu loaded, the generation's async flags are
-  set here, `aot.preset_flags("async", generation)`).
+  set here, `aot.preset_flags("async", generation)`; should tune fail before libtpu
+  loaded, LIBTPU_INIT_ARGS is unset again, while once libtpu has loaded they stay set,
+  as the flags it runs with).
 
   Raises:
-    ValueError: the mesh is not a TPU mesh, a candidate's options are invalid,
-      max_peak is not a positive number, or refine is not a non-negative int.
+    MeshsliceError (a ValueError): an argument above is invalid (named, with the rule);
+      PinError (a MeshsliceError) for a candidate's invalid pin (ksplit, dataflow,
+      algorithm). Errors from tracing or compiling the step propagate unchanged.
   """
   import jax
-  from jax.sharding import Mesh, NamedSharding
   from . import aot
   from .transform import transform
-  if max_peak is not None and (isinstance(max_peak, bool) or not isinstance(
-      max_peak, numbers.Real) or not max_peak > 0):
-    raise ValueError("tune: max_peak must be a positive number (a multiple of XLA's "
-                     f"program's peak memory, e.g. 1.10) or None, got {max_peak!r}")
-  if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
-    raise ValueError("tune: refine must be a non-negative int (sweeps of local search "
-                     f"after the candidates; 0 for none), got {refine!r}")
-  if not isinstance(mesh, Mesh):
-    if topology is None:
-      raise ValueError("tune: mesh must be a concrete jax.sharding.Mesh of TPU devices "
-                       "(aot.make_mesh), or a shape tuple together with topology=")
-    gen, _ = aot.parse_topology(topology)
-    if not aot._FLAGS_AT_LOAD and "LIBTPU_INIT_ARGS" not in os.environ:
-      aot.set_flags(*aot.preset_flags("async", gen.name))
-    names = next((a.sharding.mesh.axis_names for a in jax.tree.leaves(args)
-                  if isinstance(getattr(a, "sharding", None), NamedSharding)), None)
-    if names is None or len(names) != len(tuple(mesh)):
-      raise ValueError(f"tune: mesh shape {tuple(mesh)} needs arguments with NamedShardings "
-                       f"over as many axes to move onto {topology}")
-    mesh = aot.make_mesh(topology, tuple(mesh), tuple(names))
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)), args)
-  generation = _generation(mesh)
-  if generation is None:
-    raise ValueError("tune: the mesh's devices are not TPUs; tune compiles for a TPU "
-                     "topology (meshslice.aot.make_mesh)")
-  profile = profile or aot.GENERATIONS[generation].profile
-  mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
-  wanted = {"xla": None, **(CANDIDATES if candidates is None else candidates)}
-  out, reports, skipped = {}, {}, set()
+  _check_keywords(step, echo=echo, results=results, max_peak=max_peak, refine=refine)
+  generation, shape = _target(mesh, topology)
+  names = None if shape is None else _axis_names(args, shape, topology)
+  profile = _check_profile(profile, generation)
+  wanted = {"xla": None, **_check_candidates(
+      CANDIDATES if candidates is None else candidates, profile)}
+  flags = contextlib.nullcontext() if shape is None else _default_flags(generation)
+  with flags:
+    if shape is not None:
+      mesh = aot.make_mesh(topology, shape, names)
+      args = _onto(mesh, args)
+    mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
+    out, reports, skipped = {}, {}, set()
 
-  def evaluate(name, plan, xla):
-    """Compile `plan` (XLA's own program when `xla`) unless a candidate already has its
-    decisions; record, echo and return its Candidate."""
-    same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
-    if same is not None:
-      out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
-    else:
-      fn = step if xla else transform(step, profile=profile, plan=plan)
-      compiled, seconds = aot.compile(fn, *args, mesh=mesh)
-      out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
-          compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
-      del compiled
-    c = out[name]
-    if echo is not None:
-      rewritten = sum(1 for e in c.plan.sites if e.get("rewrite") is not False)
-      echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  peak "
-           f"{_peak(c) / 2**30:.2f} GiB  ({rewritten} of {len(c.plan.sites)} sites "
-           "rewritten)")
-    return c
-
-  for name, options in wanted.items():
-    if isinstance(options, (SlicedSites, HeldGathers)):
-      if options.base in skipped:                # its base made no program of its own
-        skipped.add(name)
-        continue
-      if options.base not in reports:
-        verb = "slices" if isinstance(options, SlicedSites) else "holds the gathers of"
-        raise ValueError(f"tune: candidate {name!r} {verb} the plan of {options.base!r}, "
-                         "which must be an earlier candidate")
-      # the same program's sites: a derived candidate derives from its base's report
-      report = reports[name] = reports[options.base]
-      derive = _sliced if isinstance(options, SlicedSites) else _held
-      plan = derive(report, out[options.base].plan, options)
-      if plan is None:                           # no site to change: nothing new to compile
-        skipped.add(name)
-        continue
-    elif options is not None and not isinstance(options, dict):
-      raise ValueError(f"tune: candidate {name!r} must be a dict of meshslice.transform "
-                       f"options, a SlicedSites or a HeldGathers, got {options!r}")
-    else:
-      with jax.set_mesh(mesh):
-        report = reports[name] = transform(
-            step, **{"profile": profile, **(options or {})}).explain(*args)
-      plan = report.plan
-      if options is None:                        # XLA's own program: every site left alone
-        for site in report.sites:
-          plan = plan.edit(site.index, rewrite=False)
+    def evaluate(name, plan, xla):
+      """Compile `plan` (XLA's own program when `xla`) unless a candidate already has its
+      decisions; record, echo and return its Candidate."""
+      same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
+      if same is not None:
+        out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
       else:
-        plan = _frozen(report)
-    evaluate(name, plan, xla=options is None)
-  budget = None if max_peak is None else max_peak * _peak(out["xla"])
+        fn = step if xla else transform(step, profile=profile, plan=plan)
+        compiled, seconds = aot.compile(fn, *args, mesh=mesh)
+        out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
+            compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
+        del compiled
+      c = out[name]
+      if echo is not None:
+        rewritten = sum(1 for e in c.plan.sites if e.get("rewrite") is not False)
+        echo(f"  {name:<12} simulated step {c.step_s * 1e3:9.3f} ms  peak "
+             f"{_peak(c) / 2**30:.2f} GiB  ({rewritten} of {len(c.plan.sites)} sites "
+             "rewritten)")
+      return c
 
-  def within(c):
-    return budget is None or c.name == "xla" or _peak(c) <= budget
+    for name, options in wanted.items():
+      if isinstance(options, (SlicedSites, HeldGathers)):
+        if options.base in skipped:              # its base made no program of its own
+          skipped.add(name)
+          continue
+        # the same program's sites: a derived candidate derives from its base's report
+        report = reports[name] = reports[options.base]
+        derive = _sliced if isinstance(options, SlicedSites) else _held
+        plan = derive(report, out[options.base].plan, options)
+        if plan is None:                         # no site to change: nothing new to compile
+          skipped.add(name)
+          continue
+      else:
+        with jax.set_mesh(mesh):
+          report = reports[name] = transform(
+              step, **{"profile": profile, **(options or {})}).explain(*args)
+        plan = report.plan
+        if options is None:                      # XLA's own program: every site left alone
+          for site in report.sites:
+            plan = plan.edit(site.index, rewrite=False)
+        else:
+          plan = _frozen(report)
+      evaluate(name, plan, xla=options is None)
+    budget = None if max_peak is None else max_peak * _peak(out["xla"])
 
-  for sweep in range(refine):
-    start = min(filter(within, out.values()), key=lambda c: c.step_s)
-    current = start
-    for label, indexes, pin in _moves(reports[start.name], start.plan):
-      plan = _apply(current.plan, indexes, pin)
-      if plan is None:                           # the move changes nothing here
-        continue
-      c = evaluate(f"refine {sweep + 1}: {label}", plan, xla=False)
-      if within(c) and c.step_s < current.step_s:
-        current = c                              # first improvement: keep it, go on
-    if current is start:                         # a whole sweep found nothing faster
-      break
+    def within(c):
+      return budget is None or c.name == "xla" or _peak(c) <= budget
+
+    for sweep in range(refine):
+      start = min(filter(within, out.values()), key=lambda c: c.step_s)
+      current = start
+      for label, indexes, pin in _moves(reports[start.name], start.plan):
+        plan = _apply(current.plan, indexes, pin)
+        if plan is None:                         # the move changes nothing here
+          continue
+        c = evaluate(f"refine {sweep + 1}: {label}", plan, xla=False)
+        if within(c) and c.step_s < current.step_s:
+          current = c                            # first improvement: keep it, go on
+      if current is start:                       # a whole sweep found nothing faster
+        break
   eligible = [c for c in out.values() if within(c)]
   best = min(eligible, key=lambda c: c.step_s)          # first (xla) wins ties
   if results is not None:

@@ -51,8 +51,8 @@ def test_flax_linen_logical_axes():
 
 def test_flax_nnx_explicit():
   out = _run("flax_nnx_explicit.py", "--no-aot")
-  _assert_common(out, 24, "blocks/mlp/wi")
-  assert "blocks/attn/value" in out                   # named by attribute, per projection
+  _assert_common(out, 24, "blocks/0/mlp/wi")           # a list of blocks: one name each
+  assert "blocks/0/attn/value" in out                 # named by attribute, per projection
   assert "(cpu, Explicit axes)" in out
 
 
