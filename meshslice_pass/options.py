@@ -7,6 +7,7 @@ import re
 
 from meshslice.costmodel import HardwareProfile, known_profiles, load_profile, xla_baseline
 
+from . import backend_flags
 from .errors import PinError
 from .param_names import module_matches
 from .plan import Plan
@@ -86,6 +87,14 @@ class Options:
       weight gradient, and the gathered copy stays live through the attention backward
       (what it saves and costs on a GPT-3 layer: docs/benchmarks.md). False: never.
       Also a per-site pin key (True / False); a saved plan records it where set.
+    compiler_flags: the flags the program will be compiled with (libtpu's
+      LIBTPU_INIT_ARGS), as a string or a sequence of "--flag=value" strings: they
+      decide XLA's program every rewrite must beat (windowed einsum on or off, collectives
+      offloaded to the SparseCore) and the reduce-scatter form "auto" takes. None
+      (default): this process's LIBTPU_INIT_ARGS, read once, when `transform` / `explain`
+      / `check` is called. Planning itself reads no environment: a plan is a function of
+      the program, the mesh, the options and these flags. Give them explicitly to plan
+      on one machine for a job compiled with other flags.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None
@@ -108,6 +117,7 @@ class Options:
   source_packages: tuple = ()
   reduce_scatter: str | None = None
   hold_gathers: object = "auto"
+  compiler_flags: tuple | None = None
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -152,7 +162,8 @@ class Options:
         isinstance(p, str) and p.isidentifier() for p in packages):
       raise ValueError("source_packages must be a tuple of top-level package names, e.g. "
                        f"('maxtext',), got {packages!r}")
-    kwargs = dict(kwargs, source_packages=tuple(packages))
+    kwargs = dict(kwargs, source_packages=tuple(packages),
+                  compiler_flags=_compiler_flags(kwargs.get("compiler_flags")))
     opts = cls(**kwargs)
     opts.validate()
     return opts
@@ -272,6 +283,21 @@ def _validate_override_key(key):
                      f"location 'file:line' (e.g. 'model.py:41'){hint}; {_SEE_SITES} "
                      "(a str key that is not 'file:line' is a module-path pattern such as "
                      "'*/MlpBlock_*/Dense_1')")
+
+
+def _compiler_flags(flags) -> tuple:
+  """`compiler_flags` as a tuple of flags; None: this process's LIBTPU_INIT_ARGS (the one
+  place the environment is read, at option time, never while planning)."""
+  if flags is None:
+    flags = backend_flags.flags_in_effect()
+  if isinstance(flags, str):
+    flags = flags.split()
+  if not isinstance(flags, (tuple, list)) or not all(
+      isinstance(f, str) and f.startswith("--") for f in flags):
+    raise ValueError("compiler_flags must be a LIBTPU_INIT_ARGS string or a sequence of "
+                     f"'--flag=value' strings (or None: this process's), got {flags!r}; "
+                     "e.g. compiler_flags=aot.preset_flags('dense,async', 'v4')")
+  return tuple(flags)
 
 
 def _module_matches(module: str, pattern: str) -> bool:

@@ -327,7 +327,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # 1.03x on v5p; docs/benchmarks.md). So under offload only forward sites reshard on
   # their own; a pinned dataflow always may.
   automatic = ctx.options.relayout and (
-      site.profile is None or not _offloaded(site.profile)
+      site.profile is None or not _offloaded(ctx, site.profile)
       or base["direction"] == "forward")
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
@@ -392,11 +392,11 @@ def _versus_xla(best, site, ctx, request, base):
     return best
   profile = _profile(ctx, site.geometry)
   flow = costing.model_dataflow(site.dataflow)
-  # XLA's program under the flags this process compiles with (libtpu reads them once)
-  flags = backend_flags.flags_in_effect()
+  # XLA's program under the flags the program is compiled with (`Options.compiler_flags`)
+  flags = ctx.options.compiler_flags
   xla = costing.xla_program(site.problem, profile, flow, mode, ctx.options.compiler_terms,
                             windowed_off=backend_flags.windowed_einsum_off(flags),
-                            offloaded=_offloaded(profile),
+                            offloaded=_offloaded(ctx, profile),
                             forward=base["direction"] == "forward")
   collective = best.algorithm == "collective" or best.ksplit == 1
   too_big = "" if xla.windowed else costmodel.why_too_big(site.problem, "collective", flow, 1,
@@ -419,10 +419,10 @@ def _versus_xla(best, site, ctx, request, base):
               **base)
 
 
-def _offloaded(profile) -> frozenset:
-  """The collectives this process's libtpu flags offload to the SparseCore on the
-  profile's TPU generation (`backend_flags.sparse_core_offload`; none off v5p / v6e)."""
-  return backend_flags.sparse_core_offload(backend_flags.flags_in_effect(),
+def _offloaded(ctx, profile) -> frozenset:
+  """The collectives the compiler flags (`Options.compiler_flags`) offload to the
+  SparseCore on the profile's TPU generation (`backend_flags.sparse_core_offload`)."""
+  return backend_flags.sparse_core_offload(ctx.options.compiler_flags,
                                            backend_flags.profile_generation(profile.name))
 
 
@@ -471,7 +471,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
                                 lhs.dtype, out.dtype, ctx.axis_sizes, profile)
   flow = costing.model_dataflow(match.dataflow)
   terms = getattr(ctx.options, "compiler_terms", None)
-  offloaded = _offloaded(profile)
+  offloaded = _offloaded(ctx, profile)
   forward = base["direction"] == "forward"
   baseline = costing.predict(problem, profile, "collective", flow, 1, terms, offloaded,
                              forward)
@@ -515,7 +515,7 @@ def _automatic_scatter_form(ctx) -> str | None:
   mesh = ctx.mesh if isinstance(ctx.mesh, jax.sharding.Mesh) else None
   if target_platform(mesh) != "tpu":
     return None
-  if not backend_flags.async_all_to_all(backend_flags.flags_in_effect()):
+  if not backend_flags.async_all_to_all(ctx.options.compiler_flags):
     return None
   return "all_to_all"
 

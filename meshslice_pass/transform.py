@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 import warnings
 from typing import Any, Callable
@@ -186,7 +187,8 @@ class Transformed:
     report = Report(sites=sites, mesh_shape=axis_sizes,
                     profile=getattr(self._options.profile, "name", ""),
                     hardware=self._options.profile,
-                    notes=blind + overlap_note(sites, mesh))
+                    notes=blind + overlap_note(sites, mesh, dict(
+                        os.environ, LIBTPU_INIT_ARGS=" ".join(self._options.compiler_flags))))
     planned = _Planned(closed=closed, consts=tuple(consts), out_tree=traced.out_tree,
                        sites=tuple(sites),
                        mesh=mesh, report=report,
