@@ -19,6 +19,7 @@ never imports the pass or the rewrites.
   compiler_fit  CompilerTerms fitted to compiled single-GEMM programs
   hlo_text      the one HLO text parser: types and bytes, replica groups, trip counts
   tpu_schedule  compiled TPU programs read as schedules: summarize, simulate
+  routed_links  a second link model for them: collectives routed over the torus links
 
 Example:
   >>> from meshslice.costmodel import GemmProblem, best_plan

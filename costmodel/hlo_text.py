@@ -11,7 +11,8 @@ the text `compiled.as_text()` (or `lowered.as_text(dialect="hlo")`) prints:
   arrays, nbytes       the arrays of a (tuple) type and their bytes; `ITEMSIZE` covers
                           every XLA element type (s4 / u4 are half a byte, token 0).
   replica_group        the first replica group of a collective, as partition ids, in
-                          every spelling XLA prints (see its docstring).
+                          every spelling XLA prints (see its docstring); `replica_groups`
+                          all of them.
   moved_bytes          what one device sends in a collective (ring algorithms).
   trip_count           the trip count of a `while`: stated by XLA, or recognised from
                           the loop's induction variable (any constant step, LT / LE / GT
@@ -281,20 +282,42 @@ def _mesh_device_ids(text: str, size: int) -> np.ndarray | None:
   return ids if ids.size == size else None
 
 
-def _mesh_group(mesh: re.Match) -> tuple[int, ...]:
+def _mesh_groups(mesh: re.Match) -> tuple[tuple[int, ...], ...]:
+  """Every group of a `mesh[...] {...}` replica group (ordered by the other axes'
+  indices, major to minor); each group lists its members in mesh order."""
   axes = [(a, int(n)) for a, n in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh.group(1))]
   shape = [n for _, n in axes] or [1]
   ids = np.arange(math.prod(shape))
   if mesh.group(2) is not None:
     given = _mesh_device_ids(mesh.group(2), ids.size)
     ids = given if given is not None else ids
-  ids = ids.reshape(shape)
   # chosen axes: full ('y') or a sub-axis ('y':(p)k: the axis of size n seen as
   # [p, k, n / (p k)] major to minor, the group varying the middle one)
   chosen = {}
   for name, sub in re.findall(r"'?([\w.\-]+)'?\s*(:\(\d+\)\d+)?", mesh.group(3)):
     size = re.match(r":\((\d+)\)(\d+)", sub) if sub else None
     chosen[name] = (int(size.group(1)), int(size.group(2))) if size else None
+  split, in_group = [], []           # the mesh's axes, sub-axes split out; group axes
+  for a, n in axes:
+    if a not in chosen:
+      split.append(n)
+      in_group.append(False)
+    elif chosen[a] is None:
+      split.append(n)
+      in_group.append(True)
+    else:
+      pre, k = chosen[a]
+      split += [pre, k, max(1, n // (pre * k))]
+      in_group += [False, True, False]
+  if math.prod(split) != ids.size:       # a sub-axis that does not divide: first group only
+    return (_first_mesh_group(ids.reshape(shape), axes, chosen),)
+  order = [i for i, g in enumerate(in_group) if not g] + [i for i, g in enumerate(in_group) if g]
+  size = math.prod(n for n, g in zip(split, in_group) if g)
+  rows = ids.reshape(split).transpose(order).reshape(-1, size)
+  return tuple(tuple(int(v) for v in row) for row in rows)
+
+
+def _first_mesh_group(ids: np.ndarray, axes, chosen) -> tuple[int, ...]:
   index = []
   for a, n in axes:
     if a not in chosen:
@@ -306,6 +329,41 @@ def _mesh_group(mesh: re.Match) -> tuple[int, ...]:
       stride = max(1, n // (pre * k))
       index.append(slice(0, stride * k, stride))
   return tuple(int(v) for v in ids[tuple(index)].ravel())
+
+
+def _mesh_group(mesh: re.Match) -> tuple[int, ...]:
+  return _mesh_groups(mesh)[0]
+
+
+def replica_groups(attrs: str, devices: int) -> tuple[tuple[int, ...], ...]:
+  """Every replica group of a collective, as partition ids (each as `replica_group`
+  lists the first; () if unknown, and for collective-permutes, whose pairs
+  `source_target_pairs` reads).
+
+  Example:
+    >>> replica_groups("replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}", 4)
+    ((0, 2), (1, 3))
+    >>> replica_groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}", 4)
+    ((0, 2), (1, 3))
+    >>> replica_groups("replica_groups={{0,1},{2,3}}", 4), replica_groups("replica_groups={}", 2)
+    (((0, 1), (2, 3)), ((0, 1),))
+  """
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*,?\s*"
+                   r"(?:device_ids=\((.*?)\)\s*)?\{([^}]*)\}", attrs)
+  if mesh:
+    return _mesh_groups(mesh)
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+  if iota:
+    groups, size = int(iota.group(1)), int(iota.group(2))
+    ids = _iota_ids(iota.group(3), iota.group(4))
+    return tuple(tuple(int(v) for v in row) for row in ids.reshape(groups, size))
+  explicit = re.search(r"replica_groups=\{(\{[0-9,\s{}]*\})\}", attrs)
+  if explicit:
+    return tuple(tuple(int(v) for v in g.split(",") if v.strip())
+                 for g in re.findall(r"\{([0-9,\s]*)\}", explicit.group(1)))
+  if re.search(r"replica_groups=\{\}", attrs):
+    return (tuple(range(devices)),)
+  return ()
 
 
 def replica_group(attrs: str, devices: int) -> tuple[int, ...]:

@@ -4,18 +4,25 @@ A profile is data (a frozen dataclass, saved as JSON under `profiles/`). The for
 that turn it into seconds live in `timing.py`; this module only holds, validates, loads
 and saves the numbers.
 
-Units (also written into every JSON file under "units"):
+Units (also written into every JSON file under "units"). "Per device" is per jax device:
+a chip on every generation but one (v4 / v5p compile as megacore chips, v5e / v6e have
+one TensorCore); on TPU7x (Ironwood, `devices_per_chip` 2) each of a chip's two
+TensorCores is its own device, and the per-device figures are the chip's halves.
 
-  peak_flops                      FLOP/s per chip (the matmul peak the model divides by)
+  peak_flops                      FLOP/s per device (the matmul peak the model divides by)
   <collective>.bandwidth          bytes/s per device, [mesh dim 0, mesh dim 1]
   <collective>.hop_latency        seconds per ring hop, [mesh dim 0, mesh dim 1]
   <collective>.base_overhead      seconds per collective call, [mesh dim 0, mesh dim 1]
   gemm_efficiency.max_efficiency  fraction of peak_flops a large matmul reaches (0, 1]
   gemm_efficiency.m_sat/n_sat/k_sat  local matmul extent (elements) at which that dim
                                   stops costing efficiency
-  hbm_bandwidth                   bytes/s per chip between HBM and the cores (roofline
+  hbm_bandwidth                   bytes/s per device between HBM and the cores (roofline
                                   term of every local matmul and relayout copy; 0: ignored)
-  hbm_capacity                    bytes of HBM per chip (memory feasibility; 0: unknown)
+  hbm_capacity                    bytes of HBM per device (memory feasibility; 0: unknown)
+  devices_per_chip                jax devices per chip (1; 2 on TPU7x): optional
+  core_link_bandwidth             bytes/s one way between the devices of one chip (TPU7x:
+                                  the die-to-die link of its two chiplets); optional, 0
+                                  without one
   op_overhead                     seconds of fixed cost per local op (matmul launch, tail
                                   of a pipeline step, relayout copy)
   sources                         where each number comes from (public documents, papers,
@@ -35,7 +42,8 @@ which is what bounds the slice count S from above.
 Shipped profiles (`known_profiles()`):
 
   tpu-v4   calibrated: the original MeshSlice authors' measurements (docs/costmodel.md)
-  tpu-v5e, tpu-v5p, tpu-v6e, h100   derived from public chip numbers (not measured)
+  tpu-v5e, tpu-v5p, tpu-v6e, tpu-v7x, h100   derived from public chip numbers (not
+           measured); tpu-v7x (Ironwood) per TensorCore, two devices per chip
   cpu      rough numbers for the emulated-device CPU runs; do not trust them
 """
 from __future__ import annotations
@@ -57,15 +65,15 @@ from .interconnect import Topology
 COLLECTIVES = ("all_gather", "reduce_scatter", "permute")
 
 UNITS = {
-    "peak_flops": "FLOP/s per chip",
+    "peak_flops": "FLOP/s per device (a chip; one TensorCore where devices_per_chip is 2)",
     "bandwidth": "bytes/s per device, [mesh dim 0, mesh dim 1]",
     "hop_latency": "seconds per ring hop, [mesh dim 0, mesh dim 1]",
     "base_overhead": "seconds per collective call, [mesh dim 0, mesh dim 1]",
     "max_efficiency": "fraction of peak_flops, in (0, 1]",
     "m_sat/n_sat/k_sat": "elements of the local matmul dim at which efficiency saturates",
     "efficiency": "max_efficiency * min(1, m/m_sat) * min(1, n/n_sat) * min(1, k/k_sat)",
-    "hbm_bandwidth": "bytes/s per chip (0: no memory roofline)",
-    "hbm_capacity": "bytes per chip (0: unknown, memory not checked)",
+    "hbm_bandwidth": "bytes/s per device (0: no memory roofline)",
+    "hbm_capacity": "bytes per device (0: unknown, memory not checked)",
     "op_overhead": "seconds per local op (matmul slice, relayout copy)",
     "accumulate_bytes": "HBM bytes per output element a matmul slice moves to add into a "
                         "float32 partial sum (8: read + write, fused into the matmul)",
@@ -77,6 +85,10 @@ UNITS = {
                 "efficiency of all_gather / reduce_scatter / permute; islands: island_size "
                 "devices per node); per-axis bandwidth derived from it, see "
                 "meshslice.costmodel.topology",
+    "devices_per_chip": "optional: jax devices per chip (default 1; TPU7x: 2, one per "
+                        "TensorCore); the per-device fields are then the chip's share",
+    "core_link_bandwidth": "optional: bytes/s one way between the devices of one chip "
+                           "(0: none)",
 }
 
 # Optional scalar fields (absent in older files): name -> default.
@@ -162,7 +174,7 @@ class HardwareProfile:
 
   Attributes:
     name: short identifier, e.g. "tpu-v4".
-    peak_flops: FLOP/s per chip.
+    peak_flops: FLOP/s per device (per TensorCore on TPU7x; module docstring).
     all_gather, reduce_scatter, permute: per-mesh-dim (0, 1) bandwidths (bytes/s),
       hop latencies (s) and fixed per-call overheads (s) of each collective kind.
     gemm: the GEMM-efficiency model.
@@ -170,9 +182,9 @@ class HardwareProfile:
     overlap: whether communication can run beside computation on this hardware (False
       for the CPU backend, whose collectives are synchronous): without it every
       schedule's streams run one after another, so slicing only adds overheads.
-    hbm_bandwidth: bytes/s per chip of HBM; every local matmul takes at least its HBM
+    hbm_bandwidth: bytes/s per device of HBM; every local matmul takes at least its HBM
       bytes / hbm_bandwidth (0: no roofline term).
-    hbm_capacity: bytes of HBM per chip (0: unknown; memory feasibility not checked).
+    hbm_capacity: bytes of HBM per device (0: unknown; memory feasibility not checked).
     op_overhead: fixed seconds per local op (each matmul slice, each relayout copy).
     accumulate_bytes, accumulate_fused: the HBM bytes per output element a matmul slice
       moves to add into a float32 partial sum, and whether that traffic overlaps the
@@ -187,6 +199,12 @@ class HardwareProfile:
       the other (True: the unsliced program's gathers and a pipeline's first-slice
       gathers, as the TPU compiler schedules them); False: side by side (the original
       MeshSlice model, `--assume paper`).
+    devices_per_chip: jax devices per chip: 1, or 2 on TPU7x (Ironwood), where each
+      TensorCore is its own device; `topology.profile_for_mesh` then places the chip's
+      devices next to each other on the core axis (as `meshslice.aot.make_mesh` does)
+      and shares a chip's ICI links between its devices.
+    core_link_bandwidth: bytes/s one way between the devices of one chip (TPU7x: the
+      die-to-die link between its two chiplets); 0 when devices_per_chip is 1.
 
   Example:
     >>> p = load_profile("tpu-v4")
@@ -212,6 +230,8 @@ class HardwareProfile:
   accumulate_bytes: float = 8.0
   accumulate_fused: bool = True
   serial_collectives: bool = True
+  devices_per_chip: int = 1
+  core_link_bandwidth: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -237,6 +257,10 @@ class HardwareProfile:
                          f"{getattr(self, flag)!r}")
     if self.topology is not None and not isinstance(self.topology, Topology):
       raise ValueError("field 'topology' must be a Topology or None")
+    _check_devices_per_chip(self.devices_per_chip)
+    _check_number(self.core_link_bandwidth, "core_link_bandwidth",
+                  positive=self.devices_per_chip > 1)
+    object.__setattr__(self, "core_link_bandwidth", float(self.core_link_bandwidth))
 
   def collective(self, kind: str) -> CollectiveParams:
     """The parameters of `kind` ("all_gather", "reduce_scatter" or "permute")."""
@@ -264,6 +288,11 @@ class HardwareProfile:
         "serial_collectives": self.serial_collectives,
         "sources": list(self.sources),
         **({} if self.topology is None else {"topology": self.topology.to_json_dict()}),
+        # written only where they say something (files of one-device chips stay as
+        # they were)
+        **({} if self.devices_per_chip == 1 else {"devices_per_chip": self.devices_per_chip}),
+        **({} if not self.core_link_bandwidth
+           else {"core_link_bandwidth": self.core_link_bandwidth}),
     }
 
 
@@ -272,7 +301,7 @@ class HardwareProfile:
 # free text for people.
 _TOP_LEVEL = ("name", "description", "units", "peak_flops", "collectives", "gemm_efficiency",
               "overlap", *_OPTIONAL, "accumulate_fused", "serial_collectives", "sources",
-              "topology", "compiler_terms")
+              "topology", "devices_per_chip", "core_link_bandwidth", "compiler_terms")
 _COLLECTIVE_KEYS = ("bandwidth", "hop_latency", "base_overhead")
 _GEMM_KEYS = ("max_efficiency", "m_sat", "n_sat", "k_sat")
 
@@ -305,6 +334,12 @@ def register_section_check(key: str, check) -> None:
   if key not in _TOP_LEVEL:
     raise ValueError(f"{key!r} is not a profile top-level key (known: {', '.join(_TOP_LEVEL)})")
   SECTION_CHECKS[key] = check
+
+
+def _check_devices_per_chip(value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"field 'devices_per_chip' must be a positive int (jax devices per "
+                     f"chip: 1, or 2 on TPU7x), got {value!r}")
 
 
 def _field(obj: dict, key: str, where: str):
@@ -373,6 +408,12 @@ def profile_from_json_dict(data) -> HardwareProfile:
   sources = data.get("sources", [])
   if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
     raise ValueError(f"field 'sources' must be a list of strings, got {sources!r}")
+  devices_per_chip = data.get("devices_per_chip", 1)      # optional: TPU7x's 2
+  _check_devices_per_chip(devices_per_chip)
+  core_link = data.get("core_link_bandwidth", 0.0)
+  # a chip of several devices needs the link between them (a pair of them may be a
+  # whole mesh axis)
+  _check_number(core_link, "core_link_bandwidth", positive=devices_per_chip > 1)
   topology = data.get("topology")
   if isinstance(topology, dict):
     check_keys(topology, tuple(f.name for f in dataclasses.fields(Topology)), "topology")
@@ -387,7 +428,8 @@ def profile_from_json_dict(data) -> HardwareProfile:
   return HardwareProfile(name=name, peak_flops=peak, gemm=GemmEfficiency(**values),
                          description=description, overlap=overlap, sources=tuple(sources),
                          topology=topology, accumulate_fused=fused,
-                         serial_collectives=serial, **extra, **params)
+                         serial_collectives=serial, devices_per_chip=devices_per_chip,
+                         core_link_bandwidth=core_link, **extra, **params)
 
 
 def _json_kind(value) -> str:

@@ -29,6 +29,22 @@ side of a full 16x16 pod). Several dims are summed because a multi-dimensional
 collective sends over every dim's links at once (the original MeshSlice cost model
 does the same for an axis over two torus dims).
 
+Chips of two devices (TPU7x / Ironwood: `devices_per_chip` 2, one device per
+TensorCore). Mesh axes count devices; the chips are placed as above for the mesh whose
+*core axis* (the last axis whose size is a multiple of devices_per_chip, `core_axis`) is
+divided by devices_per_chip, and the two devices of a chip sit next to each other along
+the core axis (as `meshslice.aot.make_mesh` lays them out). Per axis:
+
+    core axis, one chip long      the chip's two devices alone: efficiency * C, with C
+                                  the profile's `core_link_bandwidth` (die-to-die, one way)
+    core axis, several chips      a ring through both cores of each chip: efficiency *
+                                  min(L * the axis's chip rate, C); each chip-to-chip link
+                                  carries one flow per direction, as for one-device chips
+    any other axis                the rings of the chip's two devices (same-numbered cores
+                                  of different chips) share the chips' links: the
+                                  one-device figure / devices_per_chip
+    across slices                 dcn_bandwidth (per chip) / devices_per_chip
+
 Several slices (TPU multi-slice: slices joined by the data-centre network, DCN). The
 caller says how many slices lie along each mesh axis (`dcn_shape`, as
 `mesh_utils.create_hybrid_device_mesh` takes it, or read from the devices' `slice_index`
@@ -89,7 +105,7 @@ def physical_shape(topology: Topology, chips: int) -> tuple[int, ...]:
 def assign_axes(topology: Topology, mesh_shape) -> tuple[tuple[int, ...], ...]:
   """Physical dims (indices into `physical_shape`) each mesh axis is assigned, in the
   order of create_device_mesh (module docstring). A dim split between axes appears in
-  both.
+  both; dims of extent 1 in none.
 
   Example:
     >>> t = Topology(kind="torus", physical_dims=3, link_bandwidth=1e9)
@@ -126,12 +142,55 @@ def assign_axes(topology: Topology, mesh_shape) -> tuple[tuple[int, ...], ...]:
           need //= take
           free[d] //= take
       found = tuple(sorted(dims))
-    out[axis] = found
+    # a dim of extent 1 (slices under 8 chips) has no links: not part of any axis, as
+    # in create_device_mesh's own assignment
+    out[axis] = tuple(d for d in found if shape[d] > 1)
   return tuple(out)
 
 
+def core_axis(mesh_shape, devices_per_chip: int) -> int | None:
+  """The mesh axis that holds the devices of a chip (module docstring): the last axis
+  whose size devices_per_chip divides; None for one device per chip.
+
+  Raises:
+    ValueError: no axis is a multiple of devices_per_chip.
+
+  Example:
+    >>> core_axis((2, 4), 2), core_axis((8, 1), 2), core_axis((8, 8), 1)
+    (1, 0, None)
+  """
+  if devices_per_chip <= 1:
+    return None
+  found = next((a for a in reversed(range(len(mesh_shape)))
+                if mesh_shape[a] % devices_per_chip == 0), None)
+  if found is None:
+    raise ValueError(f"mesh shape {tuple(mesh_shape)}: a chip is {devices_per_chip} devices, "
+                     f"so one mesh axis must be a multiple of {devices_per_chip}")
+  return found
+
+
+def chip_mesh_shape(profile, mesh_shape) -> tuple[int, ...]:
+  """The mesh shape in chips: `mesh_shape` (devices) with the core axis divided by the
+  profile's devices_per_chip (unchanged for one device per chip). Physical placement
+  (`assign_axes`) works on this shape.
+
+  Example:
+    >>> from meshslice.costmodel import load_profile
+    >>> v7x, v4 = load_profile("tpu-v7x"), load_profile("tpu-v4")
+    >>> chip_mesh_shape(v7x, (2, 4)), chip_mesh_shape(v4, (2, 4))
+    ((2, 2), (2, 4))
+  """
+  mesh_shape = tuple(int(s) for s in mesh_shape)
+  cores = getattr(profile, "devices_per_chip", 1)
+  axis = core_axis(mesh_shape, cores)
+  if axis is None:
+    return mesh_shape
+  return tuple(s // cores if a == axis else s for a, s in enumerate(mesh_shape))
+
+
 def _axis_rates(topology: Topology, mesh_shape, chips):
-  """Per mesh axis: (sum of link rates in units of L, has a line, description)."""
+  """Per mesh axis (`mesh_shape` in chips): (sum of link rates in units of L, has a
+  line, description)."""
   shape = physical_shape(topology, chips)
   assignment = assign_axes(topology, mesh_shape)
   uses = [sum(d in dims for dims in assignment) for d in range(len(shape))]
@@ -158,6 +217,8 @@ def describe_axes(profile, mesh_shape) -> tuple[str, ...]:
     ('8 torus x 4 torus', '8 torus')
     >>> describe_axes(load_profile("h100"), (4, 8))
     ('across nodes', 'inside a node')
+    >>> describe_axes(load_profile("tpu-v7x"), (2, 4))      # 4 chips, 2 cores each
+    ('2 line, shared by 2 cores', '2 cores x 2 line')
   """
   topology = profile.topology
   if topology is None:
@@ -165,8 +226,20 @@ def describe_axes(profile, mesh_shape) -> tuple[str, ...]:
   if topology.kind == "islands":
     return tuple("inside a node" if _inside_island(topology, mesh_shape, i)
                  else "across nodes" for i in range(len(mesh_shape)))
-  return tuple(r[2] for r in _axis_rates(topology, tuple(mesh_shape),
-                                         math.prod(mesh_shape)))
+  cores = getattr(profile, "devices_per_chip", 1)
+  try:
+    chip_shape, axis = chip_mesh_shape(profile, mesh_shape), core_axis(tuple(mesh_shape), cores)
+  except ValueError:           # no axis holds a chip's devices (as profile_for_mesh)
+    chip_shape, axis = tuple(mesh_shape), None
+  out = []
+  for a, rate in enumerate(_axis_rates(topology, chip_shape, math.prod(chip_shape))):
+    text = rate[2]
+    if a == axis:
+      text = f"{cores} cores" + ("" if text == "-" else f" x {text}")
+    elif axis is not None and text != "-":
+      text += f", shared by {cores} cores"
+    out.append(text)
+  return tuple(out)
 
 
 def _inside_island(topology, mesh_shape, axis) -> bool:
@@ -204,7 +277,13 @@ def profile_for_mesh(profile, mesh_shape, axes=(0, 1), *, dcn_shape=None):
     return profile
   dcn = _check_dcn_shape(profile, mesh_shape, dcn_shape)
   slice_shape = tuple(s // d for s, d in zip(mesh_shape, dcn))
-  chips = math.prod(slice_shape)
+  cores = getattr(profile, "devices_per_chip", 1) if topology.kind == "torus" else 1
+  try:
+    core = core_axis(slice_shape, cores)
+    chip_shape = chip_mesh_shape(profile, slice_shape) if core is not None else slice_shape
+  except ValueError:   # no axis can hold a chip's devices (an abstract mesh of odd sizes):
+    core, chip_shape = None, slice_shape     # each device placed as a chip, links shared
+  chips = math.prod(chip_shape)
   if topology.max_chips and chips > topology.max_chips:
     raise ValueError(f"{profile.name}: {chips} chips exceed one network of "
                      f"{topology.max_chips}; several slices over the data-centre network "
@@ -220,7 +299,7 @@ def profile_for_mesh(profile, mesh_shape, axes=(0, 1), *, dcn_shape=None):
                                       hop_latency=pick(c.hop_latency),
                                       base_overhead=pick(c.base_overhead))
   else:
-    rates = _axis_rates(topology, slice_shape, chips)
+    rates = _axis_rates(topology, chip_shape, chips)
     link = topology.link_bandwidth
     for kind, eff in zip(("all_gather", "reduce_scatter", "permute"), topology.efficiency):
       c = profile.collective(kind)
@@ -228,13 +307,19 @@ def profile_for_mesh(profile, mesh_shape, axes=(0, 1), *, dcn_shape=None):
       for i, a in enumerate(axes):
         rate, line, _ = rates[a]
         if crosses[i]:     # every ring step waits for the slowest hop: the DCN one
-          bw.append(topology.dcn_bandwidth)
+          bw.append(topology.dcn_bandwidth / cores)
           hop.append(topology.dcn_latency)
           continue
         if kind == "permute":
-          bw.append(eff * link / (2.0 if line else 1.0))
+          chip_bw = link / (2.0 if line else 1.0)
         else:
-          bw.append(eff * link * max(rate, 1.0))
+          chip_bw = link * max(rate, 1.0)
+        if a == core and chip_shape[a] == 1:     # the chip's own devices only
+          bw.append(eff * profile.core_link_bandwidth)
+        elif a == core:     # a ring through both cores of each chip (module docstring)
+          bw.append(eff * min(chip_bw, profile.core_link_bandwidth))
+        else:               # a chip's devices share its links
+          bw.append(eff * chip_bw / cores)
         hop.append(c.hop_latency[min(i, 1)])
       params[kind] = CollectiveParams(bandwidth=tuple(bw), hop_latency=tuple(hop),
                                       base_overhead=c.base_overhead)

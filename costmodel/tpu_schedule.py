@@ -29,7 +29,9 @@ What an instruction is (`CompiledOp.kind`):
                named `async-collective-start` / `-done` whose computations end in the
                `AsyncCollectiveStart` / `AsyncCollectiveDone` custom calls), and
                collectives offloaded to the SparseCore (v5p, v6e under
-               `--xla_tpu_enable_sparse_core_collective_offload_*`): `call-start` /
+               `--xla_tpu_enable_sparse_core_collective_offload_*`; tpu7x by default:
+               with libtpu 0.0.42.1 every all-gather and reduce-scatter probed, and
+               all-reduces of 32 MiB but not of 4 MiB): `call-start` /
                `call-done` to a computation on the "sparsecore" execution thread whose
                root is the collective (libtpu 0.0.50 issues it with a `call-update`
                after an operand-less `call-start`; the update is the start). What is
@@ -139,10 +141,17 @@ KINDS = ("dot", "copy", "collective", "start", "done", "dma", "loop", "other")
 # 1.97e14, 4.59e14, 9.18e14 FLOP/s) divided by the MXU FLOPs per cycle (v4 2 cores x 4 x
 # 128x128 MXUs, v5e 4 x 128x128, v5p 2 cores x 4 x 128x128, v6e 4 x 256x256; 2 FLOPs per
 # MAC); docs/tpu.md compares them with the compiler's own estimates.
-CLOCK_HZ = {"tpu-v4": 1.05e9, "tpu-v5e": 1.5e9, "tpu-v5p": 1.75e9, "tpu-v6e": 1.75e9}
-# Dense bf16 MXU FLOPs per cycle per chip (the peak the FLOP-based fallback divides by).
+# tpu7x (Ironwood, profile "tpu-v7x"): 2.2 GHz *derived*, not published. A device is one
+# TensorCore (two per chip), so its peak is 2,307 / 2 = 1,153.5 TFLOP/s bf16; with four
+# 256x256 MXUs per TensorCore (v6e's layout, assumed: 524,288 FLOP/cycle) that is 2.2e9
+# cycles/s. The compiler agrees with the assumption: libtpu 0.0.42.1 estimates a dense
+# 8192^3 bf16 dot on one TPU7x device at 2,604,600 cycles, 422k FLOP/cycle = 80.5 % of
+# 524,288 (v6e: 70 %, v5p: 90 %); half as many MXUs would put it above peak.
+CLOCK_HZ = {"tpu-v4": 1.05e9, "tpu-v5e": 1.5e9, "tpu-v5p": 1.75e9, "tpu-v6e": 1.75e9,
+            "tpu-v7x": 2.2e9}
+# Dense bf16 MXU FLOPs per cycle per device (the peak the FLOP-based fallback divides by).
 FLOPS_PER_CYCLE = {"tpu-v4": 262144, "tpu-v5e": 131072, "tpu-v5p": 262144,
-                   "tpu-v6e": 524288}
+                   "tpu-v6e": 524288, "tpu-v7x": 524288}
 
 _CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
 _FREE = frozenset(("parameter", "get-tuple-element", "tuple", "bitcast", "constant",
@@ -224,6 +233,13 @@ def _strategy(attrs: str) -> tuple[str, int]:
     StrategyND{colors:3 cores:{8 8 4},...}          3 (likewise; a 256-chip all-reduce)
     "SinglePhaseRingSumEmitter"                     1 (one ring; small all-reduces)
     anything else (AllToAllEmitter, no config)      0 (unknown)
+
+  On TPU7x (two devices per chip) libtpu counts a chip's core pair as a dim of its own:
+  over a mesh axis of 2 chips x 2 cores (tpu7x:2x2x1 as 2x4, offload off) it chose
+  "2DAllGatherOnMajorDim" and "SingleInputAllReduceScatterFusion/StrategySubgroupND
+  {colors:2 phases:2 cores:{2 2}}" (2 dims), over 2 chips "1DAllGatherNonMajorDim".
+  Such a collective is priced on its axis's whole bandwidth (`collective_seconds`: a
+  share only when it drives fewer dims than the axis spans).
   """
   config = _ALGO.search(attrs)
   if not config:
@@ -260,8 +276,11 @@ def _offload_strategy(attrs: str) -> tuple[str, int]:
   phase ring per torus dim it crosses. A ring names its size (`"core_count"`, explicit
   rings) or its torus dim (`"ring_dim":"ICI_RING_DIM_X_MESH"`, implicit rings). Two
   one-phase colors (CW and CCW) are one bidirectional ring: 1 dim, named
-  "SparseCoreOffload{colors:2 phases:1 cores:4}" (or "... dims:X_MESH"). ("", 0)
-  without such a config."""
+  "SparseCoreOffload{colors:2 phases:1 cores:4}" (or "... dims:X_MESH"). On TPU7x a
+  ring over a mesh axis that holds both TensorCores of each chip is marked so
+  ("... cores:2 +core pair": libtpu 0.0.42.1 writes `"across_cores_on_chip":true` or
+  `"partner_transfers_outside_the_ring":true` on its rings; its `core_count` counts
+  chips). ("", 0) without such a config."""
   config = _OFFLOAD.search(attrs)
   if not config:
     return "", 0
@@ -277,6 +296,12 @@ def _offload_strategy(attrs: str) -> tuple[str, int]:
   else:
     named = [re.search(r'"ring_dim"\s*:\s*"ICI_RING_DIM_([A-Z_]+)"', ring) for ring in rings[0]]
     where = "dims:" + " ".join(m.group(1) if m else "?" for m in named)
+  # TPU7x (two devices per chip): a ring that runs through both TensorCores of each chip
+  # says "across_cores_on_chip" (implicit rings) or has each chip's other core take
+  # its data off the ring ("partner_transfers_outside_the_ring", explicit rings)
+  on_chip = re.search(r'"(across_cores_on_chip|partner_transfers_outside_the_ring)"'
+                      r'\s*:\s*true', config.group(1))
+  where += " +core pair" if on_chip else ""
   return f"SparseCoreOffload{{colors:{len(rings)} phases:{dims} {where}}}", dims
 
 
@@ -334,6 +359,9 @@ class CompiledOp:
       group shape in the program that names one), or "" (unknown).
     ring_cores: for an N-D strategy, its ring size per torus dim (`_strategy_cores`,
       e.g. (8, 8, 4) for a 256-chip all-reduce); () otherwise.
+    groups: every replica group of a collective (`hlo_text.replica_groups`; `group` is
+      the first); () for collective-permutes and where unread.
+    pairs: a collective-permute's (source, target) pairs; () otherwise.
   """
 
   name: str
@@ -356,6 +384,8 @@ class CompiledOp:
   ring_dims_source: str = ""
   ring_cores: tuple[int, ...] = ()
   continuation: bool = False
+  groups: tuple[tuple[int, ...], ...] = ()
+  pairs: tuple[tuple[int, ...], ...] = ()
 
   @property
   def group_size(self) -> int:
@@ -508,6 +538,7 @@ class _Reader:
                     result_type: str, partner: str = "") -> CompiledOp:
     group = hlo_text.replica_group(instr.attrs, self.devices)
     size = nbytes(result_type)
+    groups, pairs = (), ()
     if collective == "collective-permute":
       group = group if group else (0, 1)      # (source, target) of its first pair
       pairs = hlo_text.source_target_pairs(instr.attrs) or (tuple(group[:2]),)
@@ -515,12 +546,14 @@ class _Reader:
     else:
       ids = sorted(group)         # a mesh group with device_ids may list them permuted
       link = 1 if len(ids) > 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])) else 0
+      groups = hlo_text.replica_groups(instr.attrs, self.devices)
     moved = hlo_text.moved_bytes(collective, size, len(group))
     emitter, ring_dims = _strategy(instr.attrs)
     return CompiledOp(name=instr.name, opcode=instr.opcode, kind=kind_name, bytes=size,
                       collective=collective, group=tuple(group), moved_bytes=moved,
                       link=link, partner=partner, emitter=emitter, ring_dims=ring_dims,
-                      ring_cores=_strategy_cores(instr.attrs))
+                      ring_cores=_strategy_cores(instr.attrs), groups=groups,
+                      pairs=tuple(pairs))
 
   def op(self, comp: Computation, instr: Instr) -> CompiledOp:
     opcode = instr.opcode
@@ -1059,8 +1092,14 @@ def axis_torus_dims(profile: HardwareProfile, mesh_shape) -> tuple[int, int] | N
   mesh_shape = tuple(int(v) for v in mesh_shape)
   if topology is None or topology.kind != "torus" or len(mesh_shape) < 2:
     return None
-  from .topology import assign_axes
-  dims = assign_axes(topology, mesh_shape)
+  from .topology import assign_axes, chip_mesh_shape
+  # two devices per chip (tpu-v7x): the torus places chips; an axis that is only the
+  # pair of cores of a chip spans no torus dim and counts as one
+  try:
+    chip_shape = chip_mesh_shape(profile, mesh_shape)
+  except ValueError:          # no axis holds a chip's devices: placed as chips
+    chip_shape = mesh_shape
+  dims = assign_axes(topology, chip_shape)
   return tuple(max(1, len(d)) for d in dims[:2])
 
 
@@ -1080,6 +1119,9 @@ class Simulation:
     profile: name of the hardware profile of the collective model.
     waits: every moment the compute stream waited on communication, in program order
       (`Wait`): their `waited_s` sum to exposed_s. `exposed_by()` groups them.
+    model: the link model that timed the collectives: "alpha-beta" (the project's
+      per-mesh-axis model, `collective_seconds`) or the name `simulate` was given with
+      its `collective_time` (`routed_links.MODEL`: "routed-links").
   """
 
   step_s: float
@@ -1090,6 +1132,7 @@ class Simulation:
   clock_hz: float
   profile: str
   waits: tuple = ()
+  model: str = "alpha-beta"
 
   def exposed_by(self, top: int | None = None) -> list[tuple[str, float, int]]:
     """Where the exposed time goes: (`Wait.label`, seconds waited, how many waits) per
@@ -1191,7 +1234,8 @@ def collective_seconds(op: CompiledOp, profile: HardwareProfile, axis_dims=None)
 
 
 def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = "tpu-v4", *,
-             clock_hz: float | None = None, axis_dims=None) -> Simulation:
+             clock_hz: float | None = None, axis_dims=None, collective_time=None,
+             model: str | None = None) -> Simulation:
   """Walk the schedule: compiler cycles on one compute stream, collectives on one link
   stream per profile dim; async collectives overlap what runs between start and done,
   sync ones add (module docstring).
@@ -1201,6 +1245,11 @@ def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = 
   axis_dims: torus dims summed in each profile dim's bandwidth (`collective_seconds`):
   collectives are priced by the algorithm libtpu chose for them; None: every collective
   gets its axis's full bandwidth.
+  collective_time: a callable(CompiledOp) -> seconds timing each collective instead of
+  the project's model (`collective_seconds`; profile and axis_dims then only pick the
+  clock), e.g. `routed_links.RoutedLinks(devices, profile).seconds`; the walk, the link
+  streams and the waits are the same. model: the name it is reported under
+  (`Simulation.model`; default "alpha-beta" without collective_time, else "custom").
 
   Example:
     >>> sim = simulate(compiled.as_text(), "tpu-v4")               # doctest: +SKIP
@@ -1216,7 +1265,9 @@ def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = 
                        f"(known: {sorted(CLOCK_HZ)}); pass clock_hz=")
     clock_hz = CLOCK_HZ[profile.name]
   state = {"t": 0.0, "links": {0: 0.0, 1: 0.0}, "pending": {}, "compute": 0.0,
-           "comm": 0.0, "sync": 0.0, "waits": []}
+           "comm": 0.0, "sync": 0.0, "waits": [], "timer": collective_time}
+  if model is None:
+    model = "alpha-beta" if collective_time is None else "custom"
   _run(schedule.entries, state, profile, clock_hz, axis_dims)
   # collectives still in flight when the program ends (no done read): the step waits
   for end, wait in sorted(state["pending"].values(), key=lambda v: v[0]):
@@ -1226,7 +1277,8 @@ def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = 
   t = state["t"]
   return Simulation(step_s=t, compute_s=state["compute"], collective_s=state["comm"],
                     sync_collective_s=state["sync"], exposed_s=max(0.0, t - state["compute"]),
-                    clock_hz=clock_hz, profile=profile.name, waits=tuple(state["waits"]))
+                    clock_hz=clock_hz, profile=profile.name, waits=tuple(state["waits"]),
+                    model=model)
 
 
 def _run(entries, state, profile, clock_hz, axis_dims=None):
@@ -1236,7 +1288,8 @@ def _run(entries, state, profile, clock_hz, axis_dims=None):
         _run(e.body, state, profile, clock_hz, axis_dims)
       continue
     if e.kind in ("collective", "start"):
-      seconds = collective_seconds(e, profile, axis_dims)
+      timer = state.get("timer")
+      seconds = timer(e) if timer else collective_seconds(e, profile, axis_dims)
       begin = max(state["t"], state["links"][e.link])
       end = begin + seconds
       state["links"][e.link] = end

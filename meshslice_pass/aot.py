@@ -18,9 +18,15 @@ Topology names are `<generation>:<chips along each torus dim>`:
     v5p  3D torus, e.g. v5p:2x2x2, v5p:8x8x16
     v5e  2D torus, up to v5e:16x16 (256 chips)
     v6e  2D torus, up to v6e:16x16 (256 chips)
+    tpu7x  Ironwood, 3D torus, e.g. tpu7x:2x2x1 (4 chips, 8 devices), tpu7x:4x4x4 (64
+         chips, 128 devices); libtpu's spelling ("v7x:" / "v7:" are refused)
 
 (`topology_name(generation, chips)` picks the usual slice shape for a chip count.) v4 and
 v5p compile for "megacore" chips: one device per chip, both TensorCores driven together.
+tpu7x has no megacore mode: each of a chip's two TensorCores (one per chiplet) is its own
+device (`Generation.devices_per_chip`), with the same `coords` and `core_on_chip` 0 / 1,
+and `make_mesh` puts the two cores of a chip next to each other on the mesh's last axis
+(`make_mesh`).
 
 Process-wide libtpu settings, applied before libtpu loads (the first topology):
 
@@ -80,10 +86,11 @@ class Generation:
 
   name: str
   profile: str
-  torus_dims: int           # 3: v4 / v5p, 2: v5e / v6e
+  torus_dims: int           # 3: v4 / v5p / tpu7x, 2: v5e / v6e
   chip_config: str          # chip_config_name for get_topology_desc
   max_chips: int            # largest single slice
   device_kind: str
+  devices_per_chip: int = 1  # 2 on tpu7x: each TensorCore is its own device
 
 
 GENERATIONS = {
@@ -95,7 +102,13 @@ GENERATIONS = {
                       max_chips=256, device_kind="TPU v5 lite"),
     "v6e": Generation(name="v6e", profile="tpu-v6e", torus_dims=2, chip_config="default",
                       max_chips=256, device_kind="TPU v6 lite"),
+    # Ironwood: 9,216 chips per pod (cloud.google.com/tpu/docs/tpu7x); libtpu 0.0.42.1
+    # refuses the "megacore" chip config for it, so a chip is two devices
+    "tpu7x": Generation(name="tpu7x", profile="tpu-v7x", torus_dims=3, chip_config="default",
+                        max_chips=9216, device_kind="TPU7x", devices_per_chip=2),
 }
+# Spellings of Ironwood that libtpu refuses as topology names: named in the error
+_TPU7X_SPELLINGS = ("v7x", "v7", "tpu7", "ironwood")
 
 _FLAGS_AT_LOAD: list = []      # LIBTPU_INIT_ARGS when this process loaded libtpu
 
@@ -117,12 +130,18 @@ def parse_topology(name: str) -> tuple[Generation, tuple[int, ...]]:
     >>> g, dims = parse_topology("v4:8x8x4")
     >>> g.profile, dims, math.prod(dims)
     ('tpu-v4', (8, 8, 4), 256)
+    >>> g, dims = parse_topology("tpu7x:4x4x4")          # Ironwood: 2 devices per chip
+    >>> g.profile, math.prod(dims) * g.devices_per_chip
+    ('tpu-v7x', 128)
   """
   match = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)*)", str(name).strip().lower())
   if not match:
     raise ValueError(f"topology {name!r}: expected '<generation>:<dims>' such as "
                      f"'v4:2x2x2', 'v5e:4x4' (generations: {', '.join(GENERATIONS)})")
   gen_name, dims = match.group(1), tuple(int(d) for d in match.group(2).split("x"))
+  if gen_name in _TPU7X_SPELLINGS:
+    raise ValueError(f"topology {name!r}: libtpu names Ironwood 'tpu7x' (it refuses "
+                     f"{gen_name!r}); use 'tpu7x:{match.group(2)}'")
   if gen_name not in GENERATIONS:
     raise ValueError(f"topology {name!r}: unknown TPU generation {gen_name!r}; known: "
                      f"{', '.join(GENERATIONS)}")
@@ -139,6 +158,18 @@ def parse_topology(name: str) -> tuple[Generation, tuple[int, ...]]:
                      f"2x2 chips), e.g. '{gen_name}:" + "x".join(
                          ["2", "2"] + ["1"] * (gen.torus_dims - 2)) + "'")
   return gen, dims
+
+
+def device_count(name: str) -> int:
+  """The jax devices of a topology name: its chips times the generation's devices per
+  chip (2 on tpu7x, one per TensorCore); what a mesh over it must multiply to.
+
+  Example:
+    >>> device_count("v4:2x2x2"), device_count("tpu7x:2x2x1"), device_count("tpu7x:4x4x4")
+    (8, 8, 128)
+  """
+  gen, dims = parse_topology(name)
+  return math.prod(dims) * gen.devices_per_chip
 
 
 def topology_name(generation: str, chips: int) -> str:
@@ -213,17 +244,29 @@ def make_mesh(topo, shape, axis_names=("x", "y")):
   device order `mesh_utils.create_device_mesh` gives (each mesh axis along physical torus
   axes where the shape allows, else splitting them).
 
+  Chips of two devices (tpu7x: one per TensorCore, `core_on_chip` 0 and 1): the two
+  cores of a chip sit next to each other on the *core axis*, the last mesh axis whose
+  size is even (normally the last, fastest-varying axis), core 0 first: along it the
+  devices run chip a core 0, chip a core 1, chip b core 0, ... The chips themselves are
+  placed as create_device_mesh places one-device-per-chip 3D tori (v4 / v5p megacore)
+  for the mesh with the core axis halved (`costmodel.topology.core_axis`). So a
+  collective over the core axis rings through both cores of each chip (the on-package
+  die-to-die link between them, then one ICI hop to the next chip), and a collective
+  over any other axis joins same-numbered cores of different chips over ICI, the two
+  cores' rings sharing the chips' links (costmodel.topology prices both so).
+
   Raises:
-    ValueError: the shape's size is not the topology's chip count, or names mismatch.
+    ValueError: the shape's size is not the topology's device count, or names mismatch.
 
   Example:
     >>> mesh = make_mesh("v4:8x8x4", (32, 8))                # doctest: +SKIP
     >>> dict(mesh.shape)                                      # doctest: +SKIP
     {'x': 32, 'y': 8}
+    >>> m = make_mesh("tpu7x:2x2x1", (2, 4))                 # doctest: +SKIP
+    >>> [(tuple(d.coords), d.core_on_chip) for d in m.devices[0]]  # doctest: +SKIP
+    [((0, 0, 0), 0), ((0, 0, 0), 1), ((1, 0, 0), 0), ((1, 0, 0), 1)]
   """
   import jax
-  import numpy as np
-  from jax.experimental import mesh_utils
   name = topo if isinstance(topo, str) else None
   if name is not None:
     topo = topology(name)
@@ -237,14 +280,68 @@ def make_mesh(topo, shape, axis_names=("x", "y")):
     raise ValueError(f"mesh shape {'x'.join(map(str, shape))} has {math.prod(shape)} "
                      f"devices but {where} has {len(devices)}; pick a shape whose product "
                      f"is {len(devices)}")
+  cores = 1 + max(getattr(d, "core_on_chip", 0) or 0 for d in devices)
+  if cores > 1:
+    grid = _core_pair_grid(devices, shape, cores)
+  else:
+    grid = _device_grid(devices, shape)
+  return jax.sharding.Mesh(grid, tuple(axis_names))
+
+
+def _device_grid(devices, shape):
+  """create_device_mesh's order for `devices` (one per chip), splitting physical axes
+  where it must, else the devices' own order."""
+  import numpy as np
+  from jax.experimental import mesh_utils
   try:
-    grid = mesh_utils.create_device_mesh(shape, devices)
+    return mesh_utils.create_device_mesh(shape, devices)
   except (ValueError, AssertionError, NotImplementedError):
     try:
-      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+      return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     except (ValueError, AssertionError, NotImplementedError):
-      grid = np.array(devices).reshape(shape)
-  return jax.sharding.Mesh(grid, tuple(axis_names))
+      return np.array(devices).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Chip:
+  """One chip of a multi-core topology as create_device_mesh sees a one-device-per-chip
+  (megacore) 3D-torus chip: its coordinates, no core index. `device_kind` names a chip
+  mesh_utils places by its generic torus rule (no kind-specific ring order)."""
+
+  coords: tuple
+  id: int
+  slice_index: int = 0
+  core_on_chip: int = 0
+  device_kind: str = "TPU v4"
+  platform: str = "tpu"
+
+
+def _core_pair_grid(devices, shape, cores: int):
+  """The device grid of `make_mesh` for chips of `cores` devices: chips placed for the
+  mesh with the core axis divided by `cores`, then each chip's devices in core order
+  along that axis."""
+  import numpy as np
+  from meshslice.costmodel.topology import core_axis
+  axis = core_axis(shape, cores)       # a ValueError when no axis is a multiple of cores
+  by_chip: dict = {}          # (slice, coords) -> {core: device}
+  for d in devices:
+    key = (getattr(d, "slice_index", 0) or 0, tuple(d.coords))
+    by_chip.setdefault(key, {})[d.core_on_chip] = d
+  if any(len(v) != cores for v in by_chip.values()):
+    raise ValueError(f"the topology's chips do not all have {cores} devices")
+  chips = [_Chip(coords=c, slice_index=k, id=min(d.id for d in v.values()))
+           for (k, c), v in by_chip.items()]
+  chip_shape = tuple(s // cores if a == axis else s for a, s in enumerate(shape))
+  chip_grid = _device_grid(sorted(chips, key=lambda c: c.id), chip_shape)
+  grid = np.empty(shape, dtype=object)
+  for index in np.ndindex(*chip_shape):
+    placed = chip_grid[index]
+    chip = by_chip[(placed.slice_index, tuple(placed.coords))]
+    for core in range(cores):
+      spot = list(index)
+      spot[axis] = index[axis] * cores + core
+      grid[tuple(spot)] = chip[core]
+  return grid
 
 
 def abstract_args(tree, shardings=None):
@@ -441,7 +538,8 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   checkpointed blocks, fwd + bwd + SGD) at the size of `model` ("gpt3", "megatron": see
   meshslice.costmodel.model_spec), on `mesh` (axes "x", "y"), with abstract inputs.
 
-  batch: sequences per step (default: one per device). Returns (step, params, batch).
+  batch: sequences per step (default: one per device; tpu7x: per TensorCore). seq:
+  tokens per sequence (default: the model's). Returns (step, params, batch).
   """
   import jax
   from jax.sharding import NamedSharding
@@ -461,13 +559,14 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
 
 def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers: int = 1,
             batch: int | None = None, variants=("plain", "meshslice"), echo=None,
-            topology_name_: str | None = None, **options) -> dict:
+            topology_name_: str | None = None, seq: int | None = None, **options) -> dict:
   """Compile the model's step (`model_step`) on a TPU topology's `mesh_shape` mesh plain
   and meshslice-transformed (`options` go to meshslice.transform; profile defaults to
   the topology's) and analyze both.
 
   topology: a topology name such as "v4:2x2x2" (`topology_name_`: its old spelling,
     still accepted as a keyword).
+  seq: tokens per sequence (default: the model's, 2048).
   echo: given, the meshslice variant's report is passed to it as text.
 
   Returns {variant: AotResult}.
@@ -482,7 +581,7 @@ def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers:
   gen, _ = parse_topology(topology)
   options.setdefault("profile", gen.profile)
   mesh = make_mesh(topology, mesh_shape)
-  step, params, data = model_step(model, mesh, layers=layers, batch=batch)
+  step, params, data = model_step(model, mesh, layers=layers, batch=batch, seq=seq)
   out = {}
   for variant in variants:
     if variant == "plain":

@@ -83,7 +83,8 @@ def _variant_worker(args, gen, shape, options) -> int:
   import jax
   jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
   results = compare(args.model, args.topology, shape, layers=args.layers, batch=args.batch,
-                    variants=("meshslice" if use_pass else "plain",), echo=print, **options)
+                    seq=args.seq, variants=("meshslice" if use_pass else "plain",),
+                    echo=print, **options)
   row = next(iter(results.values())).row()
   with open(args.json, "w") as f:
     json.dump(row, f)
@@ -101,11 +102,17 @@ def main(argv=None) -> int:
                   "XLA variant.")
   parser.add_argument("--model", default="gpt3", choices=["gpt3", "megatron"])
   parser.add_argument("--topology", required=True,
-                      help="TPU topology, e.g. v4:2x2x2, v4:8x8x4 (256 chips), v5e:16x16")
-  parser.add_argument("--mesh", required=True, help="mesh shape RxC (axes x, y), e.g. 32x8")
+                      help="TPU topology, e.g. v4:2x2x2, v4:8x8x4 (256 chips), v5e:16x16, "
+                           "tpu7x:2x2x1 (Ironwood: 4 chips, 8 devices, one per TensorCore)")
+  parser.add_argument("--mesh", required=True,
+                      help="mesh shape RxC (axes x, y) in devices, e.g. 32x8 (on tpu7x the "
+                           "two TensorCores of a chip are next to each other along y)")
   parser.add_argument("--layers", type=int, default=1, help="layers in the step")
   parser.add_argument("--batch", type=int, default=None,
-                      help="sequences per step (default: one per chip)")
+                      help="sequences per step (default: one per device)")
+  parser.add_argument("--seq", type=int, default=None,
+                      help="tokens per sequence (default: the model's, 2048); smaller "
+                           "compiles faster")
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="programs to compile, comma-separated, from: "
                            + ", ".join(VARIANTS) + " (default: all)")
@@ -151,7 +158,8 @@ def main(argv=None) -> int:
   del meshslice_flags
   flags_of = {v: variant_flags(v, gen.name, args.flags if VARIANTS[v][0] else "async")
               for v in variants}
-  print(f"{args.model} step ({args.layers} layer(s), fwd+bwd) on {args.topology} as a "
+  print(f"{args.model} step ({args.layers} layer(s), fwd+bwd"
+        f"{f', {args.seq} tokens per sequence' if args.seq else ''}) on {args.topology} as a "
         f"{args.mesh} mesh; each variant compiled in its own process with its libtpu "
         "flags:", flush=True)
   for v in variants:
@@ -161,6 +169,7 @@ def main(argv=None) -> int:
                  f"--mesh={args.mesh}", f"--layers={args.layers}", f"--flags={args.flags}",
                  f"--ksplit={args.ksplit}"]
   passthrough += [f"--batch={args.batch}"] if args.batch else []
+  passthrough += [f"--seq={args.seq}"] if args.seq else []
   passthrough += [f"--profile={args.profile}"] if args.profile else []
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)

@@ -24,6 +24,15 @@ docs/tpu.md "Flags per generation"):
                    Without them libtpu keeps most collectives synchronous there; with
                    them XLA's own dense program hides most of its communication
                    (docs/benchmarks.md), which the planner prices (`sparse_core_offload`)
+    tpu7x          TPU7X_FLAGS: SAFE_ASYNC_FLAGS, continuation fusion of all-reduces and
+                   reduce-scatters off too, and SPARSE_CORE_OFFLOAD_FLAGS: what MaxText
+                   sets on Ironwood (its ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR, less
+                   the profiler-tracing flags and the one flag libtpu 0.0.42.1 does not
+                   know). On Ironwood libtpu offloads to the SparseCores *by default*
+                   (0.0.42.1, tpu7x:2x2x1: every all-gather and reduce-scatter, all-reduces
+                   of 32 MiB but not of 4 MiB, with no flag set), so the flags pin that
+                   down rather than turn it on; only setting an offload flag to false
+                   turns it off (`sparse_core_offload`)
 
 Example:
   >>> tpu_overlap_flags("v4")[-1], tpu_overlap_flags("v5e") == CONTINUATION_FUSION_FLAGS
@@ -69,15 +78,38 @@ SPARSE_CORE_OFFLOAD_FLAGS = (
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
     "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
     "--xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter=true")
-SPARSE_CORE_GENERATIONS = ("v5p", "v6e")
+SPARSE_CORE_GENERATIONS = ("v5p", "v6e", "tpu7x")
+# Generations whose libtpu offloads collectives to the SparseCore without being asked
+# (libtpu 0.0.42.1 on tpu7x:2x2x1: all-gathers, reduce-scatters and large all-reduces
+# compile as call-start / call-done to the "sparsecore" thread with LIBTPU_INIT_ARGS
+# empty; only `..._offload_<kind>=false` keeps a kind on the TensorCore, synchronous)
+OFFLOAD_BY_DEFAULT = ("tpu7x",)
 _OFFLOAD_KEY = "--xla_tpu_enable_sparse_core_collective_offload_"
+# TPU7x (Ironwood): MaxText's Ironwood group (benchmarks/xla_flags_library.py,
+# ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR: continuation fusion of all three kinds off
+# "so collectives can be offloaded individually", SparseCore offload of all three on,
+# plus SC base flags) as libtpu 0.0.42.1 takes it: on top of SAFE_ASYNC_FLAGS (which
+# turn all-gather fusion off), the other two kinds' fusion off and the offload flags.
+# Checked one flag set per process on tpu7x:2x2x1 (2 x 4 mesh; sliced OS + LS, a psum,
+# an all-to-all): libtpu 0.0.42.1 accepts every flag of MaxText's group but
+# `--2a886c8_chip_config_name=megachip_tccontrol` (an unknown flag: the process
+# aborts), and none of them changes the compiled program there (offload is the default).
+# Left out: the `--xla_tpu_enable_*_offload_tracing` flags (profiler annotations) and the
+# SC base flags (`--xla_tpu_use_tc_device_shape_on_sc=true
+# --xla_sc_enable_instruction_fusion=false --xla_sc_disjoint_spmem=false
+# --xla_sc_disable_megacore_partitioning=true`: accepted, no change in the probe).
+TPU7X_FLAGS = SAFE_ASYNC_FLAGS + (
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false",
+    "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=false",
+) + SPARSE_CORE_OFFLOAD_FLAGS
 # XLA's windowed einsum (collective matmul) off: the "dense" program.
 DENSE_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
                "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 # Asynchronous all-to-all (start / done pairs beside independent compute), accepted by
-# libtpu 0.0.42.1 and 0.0.50.1 on v4, v5p and v6e: what `reduce_scatter="all_to_all"`
-# needs to overlap (docs/tpu.md, "Reduce-scatters as all-to-alls"). XLA's own programs
-# do not change with it.
+# libtpu 0.0.42.1 and 0.0.50.1 on v4, v5p and v6e (and 0.0.42.1 on tpu7x, where the
+# all-to-all, synchronous by default, becomes a start / done pair): what
+# `reduce_scatter="all_to_all"` needs to overlap (docs/tpu.md, "Reduce-scatters as
+# all-to-alls"). XLA's own programs do not change with it.
 ASYNC_ALL_TO_ALL_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 # The flag libtpu 0.0.50.1 refuses outside v5e.
 _UNSAFE_OFF_V5E = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
@@ -85,23 +117,31 @@ _UNSAFE_OFF_V5E = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true
 # Async collective flags to compile and run with, per TPU generation (module docstring).
 TPU_ASYNC_FLAGS = {"v4": SAFE_ASYNC_FLAGS, "v5p": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS,
                    "v5e": CONTINUATION_FUSION_FLAGS,
-                   "v6e": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS}
+                   "v6e": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS,
+                   "tpu7x": TPU7X_FLAGS}
 # A TPU of unknown generation gets the flags that are safe everywhere they were tried.
 TPU_OVERLAP_FLAGS = SAFE_ASYNC_FLAGS
 GPU_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
 _VARIABLE = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
 
-# jax device_kind -> generation (compile-only topologies and real chips)
+# jax device_kind -> generation (compile-only topologies and real chips; Ironwood's
+# devices say "TPU7x", one per TensorCore)
 _DEVICE_KINDS = {"tpu v4": "v4", "tpu v5": "v5p", "tpu v5p": "v5p", "tpu v5 lite": "v5e",
-                 "tpu v5e": "v5e", "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+                 "tpu v5e": "v5e", "tpu v6 lite": "v6e", "tpu v6e": "v6e",
+                 "tpu7x": "tpu7x"}
+# profile name (after "tpu-") -> generation, where the two differ
+_PROFILE_GENERATIONS = {"v7x": "tpu7x"}
 
 
 def tpu_generation(device_kind: str) -> str | None:
-  """The TPU generation ("v4", "v5p", "v5e", "v6e") of a jax device_kind, or None.
+  """The TPU generation ("v4", "v5p", "v5e", "v6e", "tpu7x") of a jax device_kind, or
+  None.
 
   Example:
     >>> tpu_generation("TPU v5 lite"), tpu_generation("TPU v4"), tpu_generation("cpu")
     ('v5e', 'v4', None)
+    >>> tpu_generation("TPU7x")
+    'tpu7x'
   """
   return _DEVICE_KINDS.get(str(device_kind).strip().lower())
 
@@ -163,14 +203,22 @@ def async_all_to_all(flags) -> bool:
 def sparse_core_offload(flags, generation: str | None) -> frozenset:
   """The collectives `flags` (a LIBTPU_INIT_ARGS string or a sequence) offload to the
   SparseCore on `generation`: a subset of {"all_gather", "reduce_scatter",
-  "all_reduce"}; empty off v5p / v6e, where libtpu ignores the flags.
+  "all_reduce"}; empty off v5p / v6e / tpu7x, where libtpu ignores the flags. On tpu7x
+  libtpu offloads by default (`OFFLOAD_BY_DEFAULT`): every kind not turned off.
+  (libtpu keeps small all-reduces on the TensorCore even so: 4 MiB on tpu7x:2x2x1.)
 
   Example:
     >>> sorted(sparse_core_offload(SPARSE_CORE_OFFLOAD_FLAGS, "v5p"))
     ['all_gather', 'all_reduce', 'reduce_scatter']
     >>> sparse_core_offload(SPARSE_CORE_OFFLOAD_FLAGS, "v4")
     frozenset()
+    >>> sorted(sparse_core_offload(
+    ...     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false", "tpu7x"))
+    ['all_gather', 'reduce_scatter']
   """
+  if generation in OFFLOAD_BY_DEFAULT:
+    return frozenset(kind for kind in ("all_gather", "reduce_scatter", "all_reduce")
+                     if _last_value(flags, _OFFLOAD_KEY + kind) not in ("false", "0"))
   return _offload_asked(flags) if generation in SPARSE_CORE_GENERATIONS else frozenset()
 
 
@@ -187,22 +235,37 @@ def profile_generation(profile_name: str) -> str | None:
   Example:
     >>> profile_generation("tpu-v5p@64x4"), profile_generation("cpu")
     ('v5p', None)
+    >>> profile_generation("tpu-v7x@2x4")
+    'tpu7x'
   """
   head = str(profile_name).split("@", 1)[0]
   generation = head[len("tpu-"):] if head.startswith("tpu-") else None
+  generation = _PROFILE_GENERATIONS.get(generation, generation)
   return generation if generation in TPU_ASYNC_FLAGS else None
 
 
 def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tuple:
   """The overlap flags `platform` ("tpu", "gpu", "cuda", "rocm") lacks in `environ`;
-  for TPU those of `generation` (`tpu_overlap_flags`)."""
+  for TPU those of `generation` (`tpu_overlap_flags`). On a generation whose libtpu
+  offloads collectives by default (tpu7x) a flag counts as lacking only when
+  `environ` sets it to another value: left out, libtpu's default already does what it
+  says (measured with libtpu 0.0.42.1)."""
   platform = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
   if platform not in _VARIABLE:
     return ()
   environ = os.environ if environ is None else environ
-  given = set(environ.get(_VARIABLE[platform], "").split())
+  text = environ.get(_VARIABLE[platform], "")
+  given = set(text.split())
   wanted = tpu_overlap_flags(generation) if platform == "tpu" else GPU_OVERLAP_FLAGS
+  if platform == "tpu" and generation in OFFLOAD_BY_DEFAULT:
+    return tuple(flag for flag in wanted if flag not in given
+                 and _last_value(text, flag.split("=", 1)[0]) is not None)
   return tuple(flag for flag in wanted if flag not in given)
+
+
+def _chip_name(generation: str) -> str:
+  """How reports name a generation's chip: "TPU v4", ..., "TPU7x" (jax's device_kind)."""
+  return "TPU7x" if generation == "tpu7x" else f"TPU {generation}"
 
 
 # TPU generations whose libtpu keeps reduce-scatters synchronous under every flag tried
@@ -231,7 +294,7 @@ def overlap_note(sites, mesh, environ=None) -> tuple:
                   if f.split("=", 1)[0] not in keys)
   if missing:
     variable = _VARIABLE["gpu" if platform in ("gpu", "cuda", "rocm") else platform]
-    chip = f"TPU {generation}" if generation else platform.upper()
+    chip = _chip_name(generation) if generation else platform.upper()
     notes.append(f"sliced collectives overlap the matmuls on {chip} only with "
                  f"{' '.join(missing)} in {variable} (set before jax starts; docs/tpu.md); "
                  "without them the slices run one after another")
@@ -241,7 +304,7 @@ def overlap_note(sites, mesh, environ=None) -> tuple:
                  "for them); drop it there (docs/tpu.md)")
   if unsafe:
     notes.append(f"{' '.join(unsafe)} (all-gather continuation fusion) is set, which the "
-                 f"newest libtpu refuses on TPU {generation} as unsafe (incorrect results, "
+                 f"newest libtpu refuses on {_chip_name(generation)} as unsafe (incorrect results, "
                  f"hangs); use {' '.join(tpu_overlap_flags(generation))} (docs/tpu.md)")
   return tuple(notes)
 

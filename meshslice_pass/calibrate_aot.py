@@ -38,13 +38,13 @@ def _check_args(args):
     gen, dims = aot.parse_topology(args.aot)
   except ValueError as e:
     raise ValueError(f"--aot: {e}") from None
-  chips = math.prod(dims)
+  chips = math.prod(dims) * gen.devices_per_chip       # devices: two per chip on tpu7x
   try:
     mesh = _ints(args.mesh, "x") if args.mesh else (2, chips // 2)
   except ValueError:
     mesh = ()
   if len(mesh) != 2 or mesh[0] * mesh[1] != chips:
-    raise ValueError(f"--mesh must be RxC with R * C = {chips} (the chips of {args.aot}), "
+    raise ValueError(f"--mesh must be RxC with R * C = {chips} (the devices of {args.aot}), "
                      f"got {args.mesh!r}")
   try:
     shapes = tuple(_ints(s, "x") for s in args.shapes.split(","))

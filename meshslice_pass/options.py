@@ -53,7 +53,8 @@ class Options:
       and checked against each site's source location and module path (portable: a plan
       saved in one checkout or virtualenv applies in another).
     profile: the hardware profile the cost model plans for: a shipped name
-      ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"), a profile JSON path, or
+      ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x", "h100", "cpu"), a profile JSON
+      path, or
       a `meshslice.costmodel.HardwareProfile`.
     xla_baseline: the program XLA itself would run for a site, which every automatic
       plan must beat to be emitted ("leave it to XLA" is a candidate; a site whose best

@@ -300,11 +300,12 @@ def _target(mesh, topology) -> tuple:
   except ValueError as e:
     raise MeshsliceError(f"tune: {e}") from None
   shape = tuple(int(v) for v in mesh)
-  if math.prod(shape) != math.prod(dims):
+  devices = math.prod(dims) * gen.devices_per_chip       # two per chip on tpu7x
+  if math.prod(shape) != devices:
+    per_chip = f" ({gen.devices_per_chip} per chip)" if gen.devices_per_chip > 1 else ""
     raise MeshsliceError(
         f"tune: mesh shape {shape} has {math.prod(shape)} devices but topology "
-        f"{topology!r} has {math.prod(dims)} chips; pick a shape whose product is "
-        f"{math.prod(dims)}")
+        f"{topology!r} has {devices}{per_chip}; pick a shape whose product is {devices}")
   return gen.name, shape
 
 

@@ -52,3 +52,19 @@ def test_abstract_meshes_get_no_flag_note():
   am = jax.sharding.AbstractMesh((2, 4), ("x", "y"),
                                  axis_types=(jax.sharding.AxisType.Auto,) * 2)
   assert _explain_sliced(am, ksplit=2).notes == ()
+
+
+def test_tpu7x_report_names_only_flags_set_against_libtpus_default(monkeypatch):
+  """On TPU7x libtpu offloads collectives to the SparseCore by default, so a sliced plan
+  gets no missing-flags note without LIBTPU_INIT_ARGS; turning offload off gets one
+  naming the chip as jax does ("TPU7x") and the flag to set back."""
+  pytest.importorskip("libtpu")
+  tpu = aot.make_mesh("tpu7x:2x2x1", (2, 4))
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+  assert _explain_sliced(tpu, ksplit=2, profile="tpu-v7x").notes == ()
+  monkeypatch.setenv("LIBTPU_INIT_ARGS",
+                     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=false")
+  note, = _explain_sliced(tpu, ksplit=2, profile="tpu-v7x").notes
+  assert note.startswith("sliced collectives overlap the matmuls on TPU7x only with "
+                         "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
+                         "in LIBTPU_INIT_ARGS")

@@ -179,7 +179,7 @@ AOT = "python -m meshslice calibrate --aot"
     (["--aot", "v9:2x2"], "--aot: topology 'v9:2x2': unknown TPU generation 'v9'; known: "
                           + ", ".join(aot.GENERATIONS)),
     (["--aot", "v4:2x2x2", "--mesh", "2x2"],
-     "--mesh must be RxC with R * C = 8 (the chips of v4:2x2x2), got '2x2'"),
+     "--mesh must be RxC with R * C = 8 (the devices of v4:2x2x2), got '2x2'"),
     (["--aot", "v4:2x2x2", "--shapes", "4096x4096"],
      "--shapes must be GEMM sizes MxKxN of positive integers, comma-separated "
      "(e.g. 4096x4096x4096), got '4096x4096'"),

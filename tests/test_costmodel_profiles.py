@@ -13,7 +13,8 @@ from test_costmodel import _pair
 
 
 def test_shipped_profiles_load_and_round_trip(tmp_path):
-  assert set(known_profiles()) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "cpu"}
+  assert set(known_profiles()) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x",
+                                  "h100", "cpu"}
   for name in known_profiles():
     p = load_profile(name)
     assert p.name == name
@@ -44,8 +45,8 @@ def test_unknown_profile_name_lists_known_ones():
   with pytest.raises(ValueError) as e:
     load_profile("tpu-v9")
   assert str(e.value) == ("unknown hardware profile 'tpu-v9'; known profiles: cpu, h100, "
-                          "tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e (or pass the path of a profile "
-                          "JSON file)")
+                          "tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, tpu-v7x (or pass the path of a "
+                          "profile JSON file)")
 
 
 def _broken(tmp_path, edit):

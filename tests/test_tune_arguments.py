@@ -168,7 +168,11 @@ KEYWORD_ERRORS = {
                               "e.g. mesh=(2, 4), topology='v4:2x2x2'; got tuple (2, 4)"),
     "mesh of another size": ({"mesh": (2, 2)},
                              "tune: mesh shape (2, 2) has 4 devices but topology 'v4:2x2x2' "
-                             "has 8 chips; pick a shape whose product is 8"),
+                             "has 8; pick a shape whose product is 8"),
+    "mesh of chips on tpu7x": ({"mesh": (2, 2), "topology": "tpu7x:2x2x1"},
+                               "tune: mesh shape (2, 2) has 4 devices but topology "
+                               "'tpu7x:2x2x1' has 8 (2 per chip); pick a shape whose "
+                               "product is 8"),
     "topology malformed": ({"topology": "v4:2x2"},
                            "tune: topology 'v4:2x2': v4 is a 3D torus, so give 3 positive "
                            "chip counts, e.g. 'v4:2x2x2'"),

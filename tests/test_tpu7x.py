@@ -1,0 +1,239 @@
+"""TPU7x (Ironwood) as a supported generation: topology names as libtpu spells them, two
+devices per chip (one per TensorCore) and the mesh that keeps a chip's cores together,
+the `tpu-v7x` profile, its libtpu flags, the schedule reader on its SparseCore-offloaded
+collectives, and `python -m meshslice aot` on it. The compiling tests need libtpu and
+compile on tpu7x:2x2x1 (4 chips, 8 devices); flag sets each get a fresh process."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from meshslice import aot, backend_flags
+from meshslice.costmodel import describe_axes, load_profile, profile_for_mesh, tpu_schedule
+from meshslice.costmodel.profiles import save_profile
+from meshslice.costmodel.topology import chip_mesh_shape, core_axis
+
+
+def test_topology_names_as_libtpu_spells_them():
+  gen, dims = aot.parse_topology("tpu7x:4x4x4")
+  assert (gen.name, gen.profile, gen.device_kind, dims) == ("tpu7x", "tpu-v7x", "TPU7x",
+                                                            (4, 4, 4))
+  assert math.prod(dims) * gen.devices_per_chip == 128          # one device per TensorCore
+  assert aot.GENERATIONS["v4"].devices_per_chip == 1
+  assert aot.parse_topology("tpu7x:2x2x1")[1] == (2, 2, 1)
+  assert aot.device_count("tpu7x:2x2x1") == 8 and aot.device_count("v4:2x2x2") == 8
+  # libtpu refuses the v7x / v7 spellings: say which one it takes
+  with pytest.raises(ValueError) as e:
+    aot.parse_topology("v7x:2x2x1")
+  assert str(e.value) == ("topology 'v7x:2x2x1': libtpu names Ironwood 'tpu7x' (it refuses "
+                          "'v7x'); use 'tpu7x:2x2x1'")
+  with pytest.raises(ValueError, match="tpu7x is a 3D torus"):
+    aot.parse_topology("tpu7x:4x4")
+  with pytest.raises(ValueError, match="exceeds the largest tpu7x slice"):
+    aot.parse_topology("tpu7x:32x32x16")
+  assert aot.topology_name("tpu7x", 64) == "tpu7x:4x4x4"
+
+
+def test_generation_flags_and_names():
+  assert backend_flags.tpu_generation("TPU7x") == "tpu7x"
+  assert backend_flags.profile_generation("tpu-v7x@2x4") == "tpu7x"
+  flags = backend_flags.tpu_overlap_flags("tpu7x")
+  assert flags == backend_flags.TPU7X_FLAGS == aot.preset_flags("async", "tpu7x")
+  assert flags[:5] == backend_flags.SAFE_ASYNC_FLAGS
+  assert set(backend_flags.SPARSE_CORE_OFFLOAD_FLAGS) <= set(flags)
+  assert not any("2a886c8_chip_config_name" in f for f in flags)      # libtpu: unknown
+  # libtpu offloads to the SparseCore on tpu7x without being asked; a flag turns it off
+  every = {"all_gather", "reduce_scatter", "all_reduce"}
+  assert backend_flags.sparse_core_offload("", "tpu7x") == every
+  assert backend_flags.sparse_core_offload(
+      "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=false",
+      "tpu7x") == every - {"reduce_scatter"}
+  # so the recommended flags are missing only where the environment says otherwise
+  assert backend_flags.missing_overlap_flags("tpu", {}, generation="tpu7x") == ()
+  off = "--xla_tpu_enable_sparse_core_collective_offload_all_gather=false"
+  assert backend_flags.missing_overlap_flags("tpu", {"LIBTPU_INIT_ARGS": off},
+                                             generation="tpu7x") == (
+      "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",)
+  # continuation fusion of all-gathers: refused off v5e by the newest libtpu
+  assert backend_flags.unsafe_flags("tpu7x", aot.ASYNC_FLAGS) == (
+      "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",)
+
+
+def test_profile_is_per_tensorcore_with_its_sources(tmp_path):
+  p = load_profile("tpu-v7x")
+  assert p.devices_per_chip == 2
+  # per device = per TensorCore = the published per-chip figure / 2
+  assert p.peak_flops == 2307e12 / 2
+  assert p.hbm_bandwidth == 7380e9 / 2
+  assert p.hbm_capacity == 192 * 2**30 / 2
+  assert p.topology.physical_dims == 3 and p.topology.max_chips == 9216
+  assert p.topology.link_bandwidth == 1200e9 / 2 / 6             # per link, one way
+  assert p.core_link_bandwidth > 0
+  text = " ".join(p.sources)
+  for fact in ("2,307 TFLOP/s bf16", "4,614 TFLOP/s fp8", "192 GiB", "7,380 GB/s",
+               "1,200 GB/s", "docs.cloud.google.com/tpu/docs/tpu7x", "per chip",
+               "per device", "no public figure"):
+    assert fact in text, fact
+  assert tpu_schedule.CLOCK_HZ["tpu-v7x"] == 2.2e9
+  assert tpu_schedule.FLOPS_PER_CYCLE["tpu-v7x"] * 2.2e9 == pytest.approx(p.peak_flops,
+                                                                         rel=1e-3)
+  save_profile(p, tmp_path / "v7x.json")
+  assert load_profile(tmp_path / "v7x.json") == p
+  # one-device chips keep their files as they were
+  assert "devices_per_chip" not in load_profile("tpu-v6e").to_json_dict()
+  data = p.to_json_dict()
+  data["devices_per_chip"] = 0
+  (tmp_path / "bad.json").write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="field 'devices_per_chip' must be a positive int"):
+    load_profile(tmp_path / "bad.json")
+  data["devices_per_chip"], data["core_link_bandwidth"] = 2, 0
+  (tmp_path / "bad.json").write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="field 'core_link_bandwidth' must be > 0"):
+    load_profile(tmp_path / "bad.json")
+
+
+def test_links_of_a_mesh_of_core_pairs():
+  p = load_profile("tpu-v7x")
+  link, d2d, (ag, rs, pp) = 1e11, p.core_link_bandwidth, p.topology.efficiency
+  assert core_axis((2, 4), 2) == 1 and core_axis((8, 1), 2) == 0
+  assert chip_mesh_shape(p, (2, 4)) == (2, 2)
+  # 2 x 4 on 4 chips: y = 2 chips x their 2 cores (a ring through both cores of each
+  # chip: one link each way between the two chips); x = 2 chips on a line, its link
+  # shared by the chips' two cores
+  assert describe_axes(p, (2, 4)) == ("2 line, shared by 2 cores", "2 cores x 2 line")
+  q = profile_for_mesh(p, (2, 4))
+  assert q.all_gather.bandwidth == (pytest.approx(ag * link / 2), pytest.approx(ag * link))
+  assert q.reduce_scatter.bandwidth == (pytest.approx(rs * link / 2),
+                                        pytest.approx(rs * link))
+  # 4 x 2: y is the core pair alone, the die-to-die link
+  r = profile_for_mesh(p, (4, 2))
+  assert r.all_gather.bandwidth[1] == pytest.approx(ag * d2d)
+  assert r.permute.bandwidth[1] == pytest.approx(pp * d2d)
+  # 128 devices on a 4x4x4 cube as 16 x 8: y = 4 chips on a wrapped dim x 2 cores
+  s = profile_for_mesh(p, (16, 8))
+  assert s.all_gather.bandwidth == (pytest.approx(ag * 4 * link / 2),
+                                    pytest.approx(ag * 2 * link))
+  assert tpu_schedule.axis_torus_dims(p, (16, 8)) == (2, 1)
+  assert tpu_schedule.axis_torus_dims(p, (4, 2)) == (2, 1)
+
+
+# ----------------------------------------------------------------------------- compiled
+
+def _flag_process(code: str, flags: str, timeout: int = 300):
+  env = dict(os.environ, LIBTPU_INIT_ARGS=flags)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=env, timeout=timeout)
+  line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+  return out, (json.loads(line[0][len("RESULT "):]) if line else None)
+
+
+def test_make_mesh_puts_a_chips_cores_next_to_each_other():
+  pytest.importorskip("libtpu")
+  topo = aot.topology("tpu7x:2x2x1")
+  devices = list(topo.devices)
+  assert len(devices) == 8 and {d.device_kind for d in devices} == {"TPU7x"}
+  assert sorted((tuple(d.coords), d.core_on_chip) for d in devices) == [
+      ((x, y, 0), c) for x in (0, 1) for y in (0, 1) for c in (0, 1)]
+  for shape in ((2, 4), (4, 2), (1, 8), (8, 1), (2, 2, 2)):
+    grid = aot.make_mesh(topo, shape, ("a", "b", "c")[:len(shape)]).devices
+    assert sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
+    axis = core_axis(shape, 2)
+    assert axis == (0 if shape == (8, 1) else len(shape) - 1)
+    lines = np.moveaxis(grid, axis, -1).reshape(-1, shape[axis])
+    for core0, core1 in zip(lines[:, 0::2].flat, lines[:, 1::2].flat):
+      assert tuple(core0.coords) == tuple(core1.coords), shape
+      assert (core0.core_on_chip, core1.core_on_chip) == (0, 1), shape
+  # the rows of 2 x 4 are two neighbouring chips, the columns a chip's neighbour across
+  mesh = aot.make_mesh(topo, (2, 4))
+  for row in mesh.devices:
+    first, second = {tuple(d.coords) for d in row}
+    assert sum(a != b for a, b in zip(first, second)) == 1
+  with pytest.raises(ValueError, match="pick a shape whose product is 8"):
+    aot.make_mesh(topo, (2, 2))
+
+
+_READER = """
+import jax, jax.numpy as jnp, json
+jax.config.update("jax_platforms", "cpu")
+from jax.sharding import NamedSharding, PartitionSpec as P
+import meshslice
+from meshslice import aot
+from meshslice.costmodel import tpu_schedule as ts
+mesh = aot.make_mesh("tpu7x:2x2x1", (2, 4))
+s = NamedSharding(mesh, P("x", "y"))
+f = jax.jit(lambda a, b: a @ b, in_shardings=(s, s), out_shardings=s)
+x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=s)
+fast = meshslice.transform(f, algorithm="meshslice", ksplit=2, profile="tpu-v7x")
+c, _ = aot.compile(fast, x, x, mesh=mesh)
+r = aot.analyze(c, "tpu-v7x", mesh_shape=(2, 4))
+ops = [op for op in r.schedule.expanded() if op.collective]
+print("RESULT", json.dumps({
+    "ops": [[op.kind, op.collective, op.opcode, list(op.group), op.link, op.emitter,
+             op.ring_dims, op.partner, op.between_cycles] for op in ops],
+    "step_s": r.simulation.step_s, "compute_s": r.simulation.compute_s,
+    "clock": r.simulation.clock_hz, "profile": r.simulation.profile,
+    "async": r.summary.async_collectives, "sync": r.summary.sync_collectives}))
+"""
+
+
+def test_recommended_flags_compile_and_the_reader_reads_offloaded_collectives():
+  """TPU7X_FLAGS in a fresh process: libtpu 0.0.42.1 takes them, the sliced program's
+  all-gathers run on the SparseCore (call-start / call-done), and the reader pairs them,
+  names the ring (the minor axis's ring through both cores of each chip) and times them."""
+  pytest.importorskip("libtpu")
+  out, result = _flag_process(_READER, " ".join(backend_flags.TPU7X_FLAGS))
+  assert result is not None, out.stderr[-3000:]
+  ops = result["ops"]
+  assert {(k, c, o) for k, c, o, *_ in ops} == {("start", "all-gather", "call-start"),
+                                                ("done", "all-gather", "call-done")}
+  starts = [op for op in ops if op[0] == "start"]
+  assert len(starts) == 4 and result["async"] == 4 and result["sync"] == 0
+  assert all(op[7] for op in starts)                              # paired with a done
+  assert any(op[8] > 0 for op in starts)                          # a partial dot under it
+  minor = [op for op in starts if op[3] == [0, 1, 2, 3]]
+  major = [op for op in starts if op[3] == [0, 4]]
+  assert minor and major and all(op[4] == 1 for op in minor) and all(op[4] == 0 for op in major)
+  assert all(op[5].startswith("SparseCoreOffload{") and op[5].endswith("+core pair}")
+             for op in minor)
+  assert all("+core pair" not in op[5] and op[6] == 1 for op in major)
+  assert (result["clock"], result["profile"]) == (2.2e9, "tpu-v7x@2x4")
+  assert result["step_s"] > result["compute_s"] > 0
+
+
+def test_libtpu_refuses_the_chip_config_flag_maxtext_sets():
+  """MaxText's SparseCore group ends in `--2a886c8_chip_config_name=megachip_tccontrol`,
+  which libtpu 0.0.42.1 does not know: the process aborts as soon as libtpu loads."""
+  pytest.importorskip("libtpu")
+  code = ("import jax; jax.config.update('jax_platforms', 'cpu'); from meshslice import aot; "
+          "print('RESULT', len(aot.topology('tpu7x:2x2x1').devices))")
+  out, result = _flag_process(code, "--2a886c8_chip_config_name=megachip_tccontrol",
+                              timeout=120)
+  assert result is None and out.returncode != 0
+  assert "Unknown command line flag '2a886c8_chip_config_name'" in out.stderr + out.stdout
+
+
+def test_aot_cli_on_tpu7x(tmp_path):
+  """`python -m meshslice aot` on Ironwood, the smallest model the CLI has (gpt3) at a
+  short sequence so that it compiles in about a minute here: the rewrite's variant
+  only, planned and simulated with tpu-v7x, compiled under TPU7X_FLAGS."""
+  pytest.importorskip("libtpu")
+  out = tmp_path / "rows.json"
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "meshslice", "aot", "--model", "gpt3", "--topology",
+       "tpu7x:2x2x1", "--mesh", "2x4", "--seq", "128", "--batch", "2",
+       "--variants", "meshslice", f"--json={out}"],
+      capture_output=True, text=True, env=env, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = json.loads(out.read_text())["meshslice"]
+  assert row["ici_profile"] == "tpu-v7x@2x4" and row["step_s"] > row["compute_s"] > 0
+  assert row["flags"] == " ".join(backend_flags.TPU7X_FLAGS)
+  assert row["async_collectives"] > 0                       # offloaded to the SparseCore
+  assert "gpt3 step (1 layer(s), fwd+bwd, 128 tokens per sequence) on tpu7x:2x2x1" in proc.stdout
+  assert "meshslice report: mesh x=2 x y=4, profile tpu-v7x" in proc.stdout
