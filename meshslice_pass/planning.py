@@ -325,10 +325,14 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # the forward pass each matmul feeds the next: its collectives are waited on, and a
   # reshard that moves fewer bytes wins (the MLP down-projection as ls: 1.06x on v6e,
   # 1.03x on v5p; docs/benchmarks.md). So under offload only forward sites reshard on
-  # their own; a pinned dataflow always may.
+  # their own; a pinned dataflow always may. Only where that was measured: on tpu7x the
+  # same forward reshards compiled 1.47x slower than XLA (GPT-3 at seq 256 on
+  # tpu7x:2x2x1 as 2x4: the reshards' collective-permutes, which the SparseCore does not
+  # take, are waited on), so there no site reshards on its own.
+  offloaded = site.profile is not None and _offloaded(ctx, site.profile)
   automatic = ctx.options.relayout and (
-      site.profile is None or not _offloaded(ctx, site.profile)
-      or base["direction"] == "forward")
+      not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
+          site.profile.name) in _FORWARD_RESHARDS_MEASURED))
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):
@@ -417,6 +421,12 @@ def _versus_xla(best, site, ctx, request, base):
                       f"XLA's own program ({xla.description}) {xla.seconds * 1e6:.1f} us "
                       f"by more than the {costing.XLA_MARGIN:.0%} margin"),
               **base)
+
+
+# TPU generations where forward-pass reshards under SparseCore offload were compiled and
+# measured faster than XLA's program (docs/benchmarks.md, "Forward sites under SparseCore
+# offload"); elsewhere under offload a site keeps the dataflow its layouts give.
+_FORWARD_RESHARDS_MEASURED = ("v5p", "v6e")
 
 
 def _offloaded(ctx, profile) -> frozenset:
