@@ -39,7 +39,7 @@ One JSON record per variant (--out, JSON lines):
   python bench/transformer.py --mesh 2x2 --data 2 --steps 20 --out /tmp/t.jsonl
   python bench/transformer.py --distributed --mesh 8x8 --hidden 12288 --heads 96 \\
       --seq 2048 --batch 64 --dtype bfloat16 --profile my-v4.json  # a TPU v4-128 slice
-See docs/benchmarks.md for TPU pods and GPU clusters.
+See docs/benchmarks-log.md for TPU pods and GPU clusters.
 """
 from __future__ import annotations
 

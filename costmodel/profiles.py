@@ -189,7 +189,7 @@ class HardwareProfile:
     accumulate_bytes, accumulate_fused: the HBM bytes per output element a matmul slice
       moves to add into a float32 partial sum, and whether that traffic overlaps the
       matmul (True: a fused output, as the TPU compiler does) or follows it (False: a
-      separate pass, as XLA on GPU does; the figure: docs/benchmarks.md, "Cost-model
+      separate pass, as XLA on GPU does; the figure: docs/benchmarks-log.md, "Cost-model
       checks").
     sources: where the numbers come from, one entry per fact.
     topology: the interconnect's geometry (`topology.Topology`), from which

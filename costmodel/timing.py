@@ -552,7 +552,7 @@ def _meshslice(p: GemmProblem, dataflow, ksplit, profile, scatter="reduce_scatte
                 reduce-scattered pieces into the output shard (`copy_time` of it)
 
   These terms track the TPU compiler's own estimate of a sliced site's compute (the
-  figures: docs/benchmarks.md, "Cost-model checks"). S = 1 is the collective algorithm
+  figures: docs/benchmarks-log.md, "Cost-model checks"). S = 1 is the collective algorithm
   exactly.
   """
   mv = movements(p, dataflow)

@@ -52,7 +52,7 @@ XLA's own program for the site (`xla_seconds`), under the recommended async flag
 
     dense     (windowed einsum off, or not firing) the collective algorithm's schedule,
               nothing overlapped: XLA's partitioner emits the same all-gathers, dot and
-              reduce-scatter (the check: docs/benchmarks.md, "Cost-model checks")
+              reduce-scatter (the check: docs/benchmarks-log.md, "Cost-model checks")
     windowed  a ring of collective-permutes over the windowed matrix's axis beside the
               chunk dots, the other axis's collective exposed:
               other collective + loop compute + max(0, ring - hidden * loop compute),
@@ -159,7 +159,7 @@ class CompilerTerms:
 
 # Fitted by `python -m meshslice calibrate --aot v4:4x4x4 --mesh 8x8 --shapes
 # 65536x8192x8192,32768x16384x4096,16384x4096x2048,8192x8192x8192` (jax 0.10.2, libtpu
-# 0.0.42.1; the run: docs/benchmarks.md, "Cost-model checks"). v4:4x4x4, because windowed
+# 0.0.42.1; the run: docs/benchmarks-log.md, "Cost-model checks"). v4:4x4x4, because windowed
 # einsum needs a ring of >= 8 devices, which v4:2x2x2 lacks. Used for every TPU profile
 # without a calibrated section: the terms are fractions and seconds, not cycles, though
 # fitted on v4 only. Re-run after changing the emitted code.
@@ -383,7 +383,7 @@ def offloaded_seconds(problem: GemmProblem, dataflow: str, profile: HardwareProf
   terms, as the analytic model does. Whole-program, not per stage: XLA's scheduler
   overlaps a site's offloaded collectives with other sites' compute too (measured,
   GPT-3 on v5p 64x4 under the offload flags: 10.6 ms of 97.3 ms exposed,
-  docs/benchmarks.md), so this is the site's limit. Slicing then only adds compute: the
+  docs/benchmarks-log.md), so this is the site's limit. Slicing then only adds compute: the
   collective algorithm is the fastest program under offload.
 
   forward: a forward-pass site. There each matmul feeds the next, so nothing independent

@@ -23,7 +23,7 @@ docs/tpu.md "Flags per generation"):
                    TensorCore's compute (call-start / call-done in the compiled program).
                    Without them libtpu keeps most collectives synchronous there; with
                    them XLA's own dense program hides most of its communication
-                   (docs/benchmarks.md), which the planner prices (`sparse_core_offload`)
+                   (docs/benchmarks-log.md), which the planner prices (`sparse_core_offload`)
     tpu7x          TPU7X_FLAGS: SAFE_ASYNC_FLAGS, continuation fusion of all-reduces and
                    reduce-scatters off too, and SPARSE_CORE_OFFLOAD_FLAGS: what MaxText
                    sets on Ironwood (its ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR, less

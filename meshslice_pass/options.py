@@ -86,7 +86,7 @@ class Options:
       included. It trades step time for memory: inside the scanned layer XLA otherwise
       shares the activation's gather between the recomputed forward site and the late
       weight gradient, and the gathered copy stays live through the attention backward
-      (what it saves and costs on a GPT-3 layer: docs/benchmarks.md). False: never.
+      (what it saves and costs on a GPT-3 layer: docs/benchmarks-log.md). False: never.
       Also a per-site pin key (True / False); a saved plan records it where set.
     compiler_flags: the flags the program will be compiled with (libtpu's
       LIBTPU_INIT_ARGS), as a string or a sequence of "--flag=value" strings: they

@@ -324,7 +324,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # reshard alone 82.70 ms, with one backward reshard 83.29, with all five 91.18). In
   # the forward pass each matmul feeds the next: its collectives are waited on, and a
   # reshard that moves fewer bytes wins (the MLP down-projection as ls: 1.06x on v6e,
-  # 1.03x on v5p; docs/benchmarks.md). So under offload only forward sites reshard on
+  # 1.03x on v5p; docs/benchmarks-log.md). So under offload only forward sites reshard on
   # their own; a pinned dataflow always may. Only where that was measured: on tpu7x the
   # same forward reshards compiled 1.47x slower than XLA (GPT-3 at seq 256 on
   # tpu7x:2x2x1 as 2x4: the reshards' collective-permutes, which the SparseCore does not
@@ -424,7 +424,7 @@ def _versus_xla(best, site, ctx, request, base):
 
 
 # TPU generations where forward-pass reshards under SparseCore offload were compiled and
-# measured faster than XLA's program (docs/benchmarks.md, "Forward sites under SparseCore
+# measured faster than XLA's program (docs/benchmarks-log.md, "Forward sites under SparseCore
 # offload"); elsewhere under offload a site keeps the dataflow its layouts give.
 _FORWARD_RESHARDS_MEASURED = ("v5p", "v6e")
 

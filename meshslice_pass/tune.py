@@ -82,7 +82,7 @@ class HeldGathers:
   Measured on GPT-3 at 256 v4 chips (64x4, one layer, dense + async + all-to-all flags,
   libtpu 0.0.42.1), on "collective+all_to_all, ls ksplit=2" (157.46 ms, libtpu peak
   4.98 GiB; XLA's program 4.40): all six held 161.01 ms, 4.03 GiB; only `*w_up` 158.90
-  ms, 4.84 GiB; only the three of `*w[qkv]` 159.29 ms, 4.17 GiB (docs/benchmarks.md).
+  ms, 4.84 GiB; only the three of `*w[qkv]` 159.29 ms, 4.17 GiB (docs/benchmarks-log.md).
 
   >>> HeldGathers("collective", ("*w_up",)).modules
   ('*w_up',)

@@ -187,7 +187,7 @@ def _scanned_step(params, x):
 
 def test_hold_gathers_true_ties_weight_gradients_inside_a_scan_body_too():
   """`hold_gathers=True` ties every weight gradient, loop bodies included (on TPU it cut
-  libtpu's peak for tune's GPT-3 plan at 256 chips: docs/benchmarks.md); values and
+  libtpu's peak for tune's GPT-3 plan at 256 chips: docs/benchmarks-log.md); values and
   gradients stay those of the original and of an unsharded run."""
   _, params, x = _setup(layers=2)
   scanned_loss, step = _scanned_step(params, x)

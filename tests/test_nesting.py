@@ -1,7 +1,7 @@
 """On the CPU compiler a pipelined site runs as its own computation (`rewrites.nesting`):
 XLA's CPU runtime builds one dependency graph per computation, in more than linear time,
 so many sliced sites in one computation made compiles of deep unrolled models grow
-steeply (docs/benchmarks.md). Not for TPU targets, and not when the transformed function
+steeply (docs/benchmarks-log.md). Not for TPU targets, and not when the transformed function
 is traced (it may be transformed further)."""
 import jax
 import jax.numpy as jnp

@@ -347,7 +347,7 @@ def test_tune_refines_the_best_candidate_one_move_at_a_time():
 
 def test_sparse_core_offload_prices_xla_with_its_collectives_hidden(monkeypatch):
   # v5p / v6e under the SparseCore offload flags: XLA's dense program runs its
-  # all-gathers and reduce-scatters beside the dot (measured: docs/benchmarks.md), so a
+  # all-gathers and reduce-scatters beside the dot (measured: docs/benchmarks-log.md), so a
   # sliced rewrite that beats the synchronous dense program is left to XLA there
   f, x, w = _matmul_site((8, 8), 32768, 32768, 32768)     # compute-bound
   dense_async = backend_flags.DENSE_FLAGS + backend_flags.SAFE_ASYNC_FLAGS
