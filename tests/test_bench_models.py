@@ -1,0 +1,43 @@
+"""bench/tpu_models.py on a tiny layer (v4:2x2x2 as 2x4): three programs compiled in one
+process, each read under the three cost models, the least favourable ratio claimed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tpu_models_reads_every_program_under_three_models(tmp_path):
+  pytest.importorskip("libtpu")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "bench", "tpu_models.py"), "--model=custom:4x128",
+       "--seq=128", "--topology=v4:2x2x2", "--mesh=2x4", f"--out_dir={tmp_path}",
+       "--nosave_hlo"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  claim = [l for l in proc.stdout.splitlines() if l.startswith("least favourable: ")]
+  assert len(claim) == 1 and "default " in claim[0] and "tuned " in claim[0], proc.stdout
+  with open(tmp_path / "custom-4x128_v4-2x2x2_2x4.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert [r["program"] for r in records] == ["xla", "default", "tuned", "summary"]
+  for r in records:
+    assert r["jax"] and r["libtpu"] and r["topology"] == "v4:2x2x2" and r["mesh"] == "2x4"
+    assert "--xla_tpu_enable_async_all_to_all=true" in r["libtpu_flags"]
+    assert "tpu_models.py" in r["command"]
+  for r in records[:3]:
+    for model in ("alpha-beta", "routed-links"):
+      assert r[model]["step_s"] >= r[model]["compute_s"] > 0
+    assert r["libtpu-lhs"]["cycles"] > 0          # the scheduler log was captured
+    assert r["libtpu_peak_bytes"] > 0
+  # the tuned plan slices the ls sites of collective+all_to_all in two
+  assert any("meshslice ls S=2 rs=all_to_all" in d for d in records[2]["plan"])
+  summary = records[3]
+  for name in ("default", "tuned"):
+    by_model = summary["ratios_xla_over_program"][name]
+    assert set(by_model) == {"alpha-beta", "routed-links", "libtpu-lhs"}
+    worst = summary["least_favourable"][name]
+    assert worst["ratio"] == min(by_model.values())
+    assert f"{name} {worst['ratio']:.3f}x" in claim[0]
