@@ -16,9 +16,12 @@ its simulation see a step's whole shape:
 
 Layout (the project's 2D layer, docs/design.md): activations [tokens: x, hidden: y],
 weights [in: x, out: y]. The embedding is a one-hot matmul (as MaxText's
-`use_iota_embed`) so that it is a 2D-sharded matmul like the others: forward os,
-backward weight-gradient rs (there is no data gradient of integer tokens); the
-unembedding has all three (os, ls, rs).
+`use_iota_embed`) so that it is a 2D-sharded matmul like the others; its layouts give
+the forward os and the weight gradient rs (integer tokens have no data gradient), the
+unembedding's all three (os, ls, rs), before the planner picks per site. Embedding and
+unembedding are untied; no biases, no dropout. Sites of one step (the scan holds one
+copy of each layer's matmuls): 36 for the GPT kind, 40 for the Llama kind
+(tests/test_whole_step.py derives them).
 
 Presets (`PRESETS`; params in bfloat16, Adam moments in float32, the loss in float32):
 
@@ -138,6 +141,9 @@ def config(model: str | WholeConfig, *, layers: int | None = None, batch: int | 
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   if cfg.kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {cfg.kind!r}")
+  if cfg.dtype not in ("bfloat16", "float32", "float16"):
+    raise ValueError(f"dtype must be 'bfloat16', 'float32' or 'float16' (the params'; "
+                     f"Adam's moments are float32), got {cfg.dtype!r}")
   if cfg.hidden % cfg.heads or cfg.heads % cfg.kv:
     raise ValueError(f"hidden ({cfg.hidden}) must be a multiple of heads ({cfg.heads}) "
                      f"and heads a multiple of kv_heads ({cfg.kv})")
@@ -411,7 +417,8 @@ def whole_step(model: str | WholeConfig, mesh, *, layers: int = 4, batch: int | 
   (axes (..., row, col), e.g. ("x", "y"); a Mesh, a TPU topology's mesh from
   `aot.make_mesh`, or an AbstractMesh), with abstract inputs, as `aot.model_step`.
 
-  layers: blocks scanned (>= 4 lets a schedule simulator see the steady state).
+  layers: blocks scanned (>= 4 lets a schedule simulator see the steady state); it
+    overrides a WholeConfig's own too.
   batch: sequences per step (default: one per device). seq, vocab, dtype: override the
     preset's.
 
