@@ -21,8 +21,9 @@ from meshslice.costmodel import known_profiles, load_profile, save_profile, xla_
 
 from helpers import mesh
 
-_TOP_KEYS = ("accumulate_bytes, accumulate_fused, collectives, compiler_terms, description, "
-             "gemm_efficiency, hbm_bandwidth, hbm_capacity, name, op_overhead, overlap, "
+_TOP_KEYS = ("accumulate_bytes, accumulate_fused, collectives, compiler_terms, "
+             "core_link_bandwidth, description, devices_per_chip, gemm_efficiency, "
+             "hbm_bandwidth, hbm_capacity, name, op_overhead, overlap, "
              "peak_flops, serial_collectives, sources, topology, units")
 
 
