@@ -338,7 +338,7 @@ def _configs(draw):
   return shape, algorithm, dataflow, problem, tuple(dims.items()), ksplit, options
 
 
-@settings(max_examples=30, deadline=None, database=None, derandomize=True)
+@settings(max_examples=20, deadline=None, database=None, derandomize=True)
 @given(_configs(), st.integers(0, 2**16))
 def test_property_matches_dot_general(config, seed):
   shape, algorithm, dataflow, problem, dims, ksplit, options = config

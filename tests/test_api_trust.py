@@ -312,7 +312,8 @@ def test_plans_for_another_mesh_or_with_bad_entries_are_errors():
 def test_bad_profile_type(profile):
   with pytest.raises(TypeError, match=re.escape(
       "profile must be a shipped hardware profile name (cpu, h100, tpu-v4, tpu-v5e, tpu-v5p, "
-      "tpu-v6e, tpu-v7x), the path of a profile JSON file, or a meshslice.costmodel.HardwareProfile, "
+      "tpu-v6e, tpu-v7x), the path of a profile JSON file, or a "
+      "meshslice.costmodel.HardwareProfile, "
       f"got {type(profile).__name__} {profile!r}; omit it for the default 'tpu-v4'")):
     meshslice.transform(lambda a: a, profile=profile)
 
