@@ -6,7 +6,8 @@ run too, but it is not the judge: GSPMD itself is wrong on some jax 0.10.2 CPU l
 Generators and runners live in tests/fuzzing.py (shared with bench/fuzz.py, which runs
 thousands of examples and counts outcomes: `python bench/fuzz.py --examples 2000`). The
 suite runs a fixed sample, sized to keep it near 10 minutes on 2 cores. Derandomized: CI
-sees the same examples on every run. Shrinking is off to bound the run time; a failure prints a standalone repro.
+sees the same examples on every run. Shrinking is off to bound the run time; a failure
+prints a standalone repro.
 """
 import warnings
 

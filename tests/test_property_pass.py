@@ -75,7 +75,8 @@ BF16_ON_CPU = dict(mesh=((2, 2), ("x", "y")), lhs_spec=P("y", "x"), rhs_spec=P("
 
 # derandomize: CI sees the same examples on every run (a property test must not flake).
 # The broader differential fuzzer (tests/test_fuzz.py; bench/fuzz.py for long campaigns)
-# covers random axis tuples and orders; these examples keep the layouts of the three dataflows in focus.
+# covers random axis tuples and orders; these examples keep the layouts of the three
+# dataflows in focus.
 @settings(max_examples=8, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
