@@ -13,7 +13,8 @@ from meshslice import backend_flags, costing
 
 def _pod_site():
   """One big 2D matmul on an abstract 256-device mesh, planned for TPU v4."""
-  abstract = jax.sharding.AbstractMesh((32, 8), ("x", "y"))
+  abstract = jax.sharding.AbstractMesh((32, 8), ("x", "y"),     # Auto on every jax
+                                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
   x = jax.ShapeDtypeStruct((65536, 8192), jnp.bfloat16,
                            sharding=NamedSharding(abstract, P("x", "y")))
   w = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16,

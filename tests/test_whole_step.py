@@ -137,7 +137,8 @@ def test_explain_finds_the_layers_fwd_and_bwd_the_embedding_and_the_unembedding(
 @pytest.mark.parametrize("name", sorted(AT_SCALE))
 def test_explain_at_pod_size_on_abstract_inputs(name):
   before = {id(a) for a in jax.live_arrays()}
-  am = jax.sharding.AbstractMesh((64, 4), ("x", "y"))
+  am = jax.sharding.AbstractMesh((64, 4), ("x", "y"),          # Auto on every jax
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
   step, params, opt, data = ws.whole_step(name, am, layers=4)
   assert all(isinstance(a, jax.ShapeDtypeStruct)
              for a in jax.tree.leaves((params, opt, data)))
