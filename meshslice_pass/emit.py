@@ -258,10 +258,10 @@ def _heads_reshape(jaxpr, i, site, users, axis_sizes):
 def _holds_gathers_back(site) -> bool:
   """Whether `site`'s gathers wait for its other operand (`_gathers_wait`) by default
   (option hold_gathers="auto"), when the target is the CPU compiler: weight gradients
-  (swapped sites) outside loop bodies. The option or a pin decides otherwise: on tune's
-  GPT-3 plan at 256 v4 chips (64x4), holding every weight gradient back inside the scan
-  cut libtpu's peak 4.98 -> 4.03 GiB for +2.3 % step (docs/benchmarks-log.md), so the
-  measurements below hold for the plans they were taken on, not every plan.
+  (swapped sites) outside loop bodies. The option or a pin decides otherwise: holding
+  weight gradients back inside a scanned layer trades a little step time for a lower
+  peak on the TPU compiler (docs/benchmarks-log.md), so the measurements below hold for
+  the plans they were taken on, not every plan.
 
   Inside a `scan` / `while` body a hoisted gather stays within its iteration, and there
   the tie costs more than it saves: on the TPU compiler (scanned GPT-3 and Megatron-NLG

@@ -78,11 +78,11 @@ class HeldGathers:
   (the `hold_gathers` pin), all of them or those whose module path matches one of
   `modules` (fnmatch patterns); every other site as that plan has it.
 
-  It trades step time for memory, which `tune(max_peak=...)` lets a user ask for.
-  Measured on GPT-3 at 256 v4 chips (64x4, one layer, dense + async + all-to-all flags,
-  libtpu 0.0.42.1), on "collective+all_to_all, ls ksplit=2" (157.46 ms, libtpu peak
-  4.98 GiB; XLA's program 4.40): all six held 161.01 ms, 4.03 GiB; only `*w_up` 158.90
-  ms, 4.84 GiB; only the three of `*w[qkv]` 159.29 ms, 4.17 GiB (docs/benchmarks-log.md).
+  It trades step time for memory, which `tune(max_peak=...)` lets a user ask for: a held
+  weight gradient no longer shares its activation's gather with the recomputed forward
+  site, so the gathered copy is not live across the layer's backward (what each group
+  saves and costs on a GPT-3 layer: docs/benchmarks-log.md, the tuned plan with gathers
+  held back).
 
   >>> HeldGathers("collective", ("*w_up",)).modules
   ('*w_up',)
