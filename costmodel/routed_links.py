@@ -520,9 +520,10 @@ def simulate_routed(schedule, devices, profile: HardwareProfile | str = "tpu-v4"
   (`RoutedLinks(devices, profile, **options).seconds`); `Simulation.model` is
   "routed-links".
 
-  schedule: compiled HLO text or a `tpu_schedule.CompiledSchedule`.
-  devices: the program's device assignment in partition order (for a program jitted
-    over a Mesh: the mesh, or `mesh.devices.flat`).
+  Args:
+    schedule: compiled HLO text or a `tpu_schedule.CompiledSchedule`.
+    devices: the program's device assignment in partition order (for a program jitted
+      over a Mesh: the mesh, or `mesh.devices.flat`).
 
   Example:
     >>> mesh = aot.make_mesh("v4:2x2x2", (2, 4))                      # doctest: +SKIP
