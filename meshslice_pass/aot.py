@@ -546,7 +546,7 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   from . import gpt
   from meshslice.costmodel import model_spec
   spec = model_spec(model, seq=seq)
-  n = mesh.devices.size
+  n = math.prod(dict(mesh.shape).values())     # a Mesh or an AbstractMesh
   cfg = gpt.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
                         heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
   row, col = mesh.axis_names[-2:]

@@ -178,3 +178,15 @@ def test_the_bench_tables_ratios_under_both_link_models(bench_script):
   text = bench.table(records, by)
   assert "| meshslice | alpha-beta | 750.00 | 620.00 | 130.00 | 1.200x | 5.00 | 150 |" in text
   assert "| xla | routed-links | 1000.00 | 600.00 | 400.00 | 1 (base) | 6.00 | 200 |" in text
+
+
+def test_aot_model_step_plans_on_an_abstract_mesh():
+  """aot.model_step (the one-layer benchmark model) takes an AbstractMesh as whole_step
+  does: planning at pod size needs no TPU topology."""
+  from meshslice import aot
+  am = jax.sharding.AbstractMesh((64, 4), ("x", "y"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  step, params, data = aot.model_step("gpt3", am)
+  assert {leaf.shape[0] for leaf in jax.tree.leaves(data)} == {256}   # a sequence per device
+  report = meshslice.explain(step, profile="tpu-v4")(params, data)
+  assert len(report.sites) == 31
