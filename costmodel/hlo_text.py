@@ -331,10 +331,6 @@ def _first_mesh_group(ids: np.ndarray, axes, chosen) -> tuple[int, ...]:
   return tuple(int(v) for v in ids[tuple(index)].ravel())
 
 
-def _mesh_group(mesh: re.Match) -> tuple[int, ...]:
-  return _mesh_groups(mesh)[0]
-
-
 def replica_groups(attrs: str, devices: int) -> tuple[tuple[int, ...], ...]:
   """Every replica group of a collective, as partition ids (each as `replica_group`
   lists the first; () if unknown, and for collective-permutes, whose pairs
@@ -381,20 +377,9 @@ def replica_group(attrs: str, devices: int) -> tuple[int, ...]:
     >>> replica_group("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}", 4)
     (0, 2)
   """
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*,?\s*"
-                   r"(?:device_ids=\((.*?)\)\s*)?\{([^}]*)\}", attrs)
-  if mesh:
-    return _mesh_group(mesh)
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
-  if iota:
-    groups, size = int(iota.group(1)), int(iota.group(2))
-    ids = _iota_ids(iota.group(3), iota.group(4))
-    return tuple(int(v) for v in ids.reshape(groups, size)[0])
-  explicit = re.search(r"replica_groups=\{\{([0-9,\s]*)\}", attrs)
-  if explicit:
-    return tuple(int(v) for v in explicit.group(1).split(",") if v.strip())
-  if re.search(r"replica_groups=\{\}", attrs):
-    return tuple(range(devices))
+  groups = replica_groups(attrs, devices)
+  if groups:
+    return groups[0]
   pairs = re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", attrs)
   if pairs:
     return (int(pairs.group(1)), int(pairs.group(2)))

@@ -52,3 +52,18 @@ def shard_map_bodies(fn, *args):
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return bodies
+
+
+def windowed_asked(monkeypatch) -> list:
+  """Spies on `costing.xla_program`: the returned list gets, per site priced, whether
+  XLA's program for it was the windowed einsum one."""
+  from meshslice import costing
+  asked = []
+  real = costing.xla_program
+
+  def spy(*args, **kwargs):
+    program = real(*args, **kwargs)
+    asked.append(program.windowed)
+    return program
+  monkeypatch.setattr(costing, "xla_program", spy)
+  return asked

@@ -8,7 +8,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import backend_flags, costing
+from meshslice import backend_flags
+
+from helpers import windowed_asked
 
 
 def _pod_site():
@@ -22,20 +24,8 @@ def _pod_site():
   return jax.jit(lambda a, b: a @ b), x, w
 
 
-def _windowed_asked(monkeypatch):
-  asked = []
-  real = costing.xla_program
-
-  def spy(*args, **kwargs):
-    program = real(*args, **kwargs)
-    asked.append(program.windowed)
-    return program
-  monkeypatch.setattr(costing, "xla_program", spy)
-  return asked
-
-
 def test_flags_given_as_data_decide_xla_program_whatever_the_environment(monkeypatch):
-  asked = _windowed_asked(monkeypatch)
+  asked = windowed_asked(monkeypatch)
   f, x, w = _pod_site()
   monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(backend_flags.DENSE_FLAGS))
   meshslice.explain(f, profile="tpu-v4", relayout=False, compiler_flags="")(x, w)
@@ -46,7 +36,7 @@ def test_flags_given_as_data_decide_xla_program_whatever_the_environment(monkeyp
 
 
 def test_the_environment_is_read_when_the_options_are_made_not_while_planning(monkeypatch):
-  asked = _windowed_asked(monkeypatch)
+  asked = windowed_asked(monkeypatch)
   f, x, w = _pod_site()
   monkeypatch.setenv("LIBTPU_INIT_ARGS", " ".join(backend_flags.DENSE_FLAGS))
   explained = meshslice.explain(f, profile="tpu-v4", relayout=False)

@@ -15,7 +15,7 @@ import meshslice
 from meshslice import backend_flags, costing
 from meshslice.costmodel import xla_baseline
 
-from helpers import mesh
+from helpers import mesh, windowed_asked
 
 
 def _small(msh):
@@ -127,13 +127,7 @@ def _pod_site():
 def test_xla_is_priced_under_the_users_windowed_einsum_flags(monkeypatch):
   # the rival is what XLA compiles under this process's LIBTPU_INIT_ARGS: with windowed
   # einsum turned off there, XLA runs its dense program, not the windowed loop
-  asked = []
-  real = costing.xla_program
-  def spy(*args, **kwargs):
-    program = real(*args, **kwargs)
-    asked.append(program.windowed)
-    return program
-  monkeypatch.setattr(costing, "xla_program", spy)
+  asked = windowed_asked(monkeypatch)
   f, x, w = _pod_site()
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
   meshslice.explain(f, profile="tpu-v4", relayout=False)(x, w)
