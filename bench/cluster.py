@@ -6,8 +6,6 @@ calls `cluster.start()` first thing in `main`.
 """
 import json
 import os
-import subprocess
-import sys
 
 import jax
 from absl import flags
@@ -56,17 +54,15 @@ def run_flag_set(script: str, flag_set: str, **flag_values) -> list:
 
 def run_json_worker(script: str, args) -> list:
   """Run `script` with `args` in a fresh Python process (libtpu reads its flags once per
-  process, so each flag set compiles in its own) and return the JSON objects it prints,
-  one per line. XLA_FLAGS is not passed on (it would ask a TPU compile for CPU devices)."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                        env=env)
-  lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
-  if done.returncode or not lines:
+  process, so each flag set compiles in its own; `meshslice.aot.run_in_fresh_process`)
+  and return the JSON objects it prints, one per line. XLA_FLAGS is not passed on (it
+  would ask a TPU compile for CPU devices)."""
+  from meshslice import aot
+  try:
+    return aot.run_in_fresh_process([script, *args], check=bool)
+  except aot.FreshProcessError as e:
     raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n"
-                       f"{done.stderr[-3000:]}")
-  return [json.loads(l) for l in lines]
+                       f"{e.stderr[-3000:]}") from None
 
 
 def print_json_lines(records) -> None:

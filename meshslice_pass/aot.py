@@ -37,80 +37,42 @@ Process-wide libtpu settings, applied before libtpu loads (the first topology):
 
 libtpu prints warnings about TPU hostnames and accelerator type: harmless here. Flags
 cannot change after libtpu has loaded; compile variants that need different flags (e.g.
-windowed einsum on and off) in separate processes (see bench/tpu_aot.py).
+windowed einsum on and off) in separate processes (`run_in_fresh_process`, the workers'
+JSON-lines protocol; see bench/tpu_aot.py). `flags_at_load()` says which flags this
+process loaded libtpu with.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
+import subprocess
+import sys
+import threading
 import time
 
-# The libtpu flag constants live in backend_flags (one table per TPU generation,
-# docs/tpu.md); the old names stay here. ASYNC_FLAGS: MaxText's CF_FOR_ALL_GATHER group
-# (all-gather continuation fusion: safe on v5e only).
-from .backend_flags import CONTINUATION_FUSION_FLAGS as ASYNC_FLAGS  # noqa: E402
-from .backend_flags import (ASYNC_ALL_TO_ALL_FLAGS, DENSE_FLAGS,  # noqa: E402,F401
-                            SAFE_ASYNC_FLAGS, tpu_overlap_flags, unsafe_flags)
-# Generation-independent presets (legacy: "async" is the continuation-fusion group). For
-# a topology use `preset_flags`, where "async" is the generation's own set.
-FLAG_PRESETS = {"default": (), "async": ASYNC_FLAGS, "fusion": ASYNC_FLAGS,
-                "safe_async": SAFE_ASYNC_FLAGS, "dense": DENSE_FLAGS,
-                "all_to_all": ASYNC_ALL_TO_ALL_FLAGS}
+# The TPU target table (`Generation` rows), the libtpu flag constants and the named flag
+# sets (presets, compared variants) live in backend_flags (docs/tpu.md); their old names
+# stay here. ASYNC_FLAGS: MaxText's CF_FOR_ALL_GATHER group (all-gather continuation
+# fusion: safe on v5e only).
+from .backend_flags import CONTINUATION_FUSION_FLAGS as ASYNC_FLAGS  # noqa: F401
+from .backend_flags import (ASYNC_ALL_TO_ALL_FLAGS, DENSE_FLAGS,  # noqa: F401
+                            FLAG_PRESETS, GENERATIONS, SAFE_ASYNC_FLAGS, VARIANTS,
+                            XLA_VARIANTS, Generation, preset_flags, tpu_overlap_flags,
+                            unsafe_flags, variant_flags)
 
-
-def preset_flags(presets, generation: str | None) -> tuple:
-  """The libtpu flags of preset names (a comma-separated string or a sequence) for a TPU
-  generation: "default" (none), "async" (the generation's async collective flags,
-  `backend_flags.tpu_overlap_flags`: no all-gather continuation fusion on v4 / v5p /
-  v6e), "fusion" (the continuation-fusion group, `ASYNC_FLAGS`), "safe_async", "dense"
-  (windowed einsum off), "all_to_all" (async all-to-all, for `reduce_scatter="all_to_all"`).
-
-  Example:
-    >>> preset_flags("dense,async", "v4")[-1]
-    '--xla_enable_async_all_gather=true'
-  """
-  names = [p.strip() for p in presets.split(",")] if isinstance(presets, str) else presets
-  out = []
-  for name in (n for n in names if n):
-    if name not in FLAG_PRESETS:
-      raise ValueError(f"unknown libtpu flag preset {name!r}; known: {', '.join(FLAG_PRESETS)}")
-    out += tpu_overlap_flags(generation) if name == "async" else FLAG_PRESETS[name]
-  return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Generation:
-  """A TPU generation as libtpu names it, and the project's profile for it."""
-
-  name: str
-  profile: str
-  torus_dims: int           # 3: v4 / v5p / tpu7x, 2: v5e / v6e
-  chip_config: str          # chip_config_name for get_topology_desc
-  max_chips: int            # largest single slice
-  device_kind: str
-  devices_per_chip: int = 1  # 2 on tpu7x: each TensorCore is its own device
-
-
-GENERATIONS = {
-    "v4": Generation(name="v4", profile="tpu-v4", torus_dims=3, chip_config="megacore",
-                     max_chips=4096, device_kind="TPU v4"),
-    "v5p": Generation(name="v5p", profile="tpu-v5p", torus_dims=3, chip_config="megacore",
-                      max_chips=8960, device_kind="TPU v5"),
-    "v5e": Generation(name="v5e", profile="tpu-v5e", torus_dims=2, chip_config="default",
-                      max_chips=256, device_kind="TPU v5 lite"),
-    "v6e": Generation(name="v6e", profile="tpu-v6e", torus_dims=2, chip_config="default",
-                      max_chips=256, device_kind="TPU v6 lite"),
-    # Ironwood: 9,216 chips per pod (cloud.google.com/tpu/docs/tpu7x); libtpu 0.0.42.1
-    # refuses the "megacore" chip config for it, so a chip is two devices
-    "tpu7x": Generation(name="tpu7x", profile="tpu-v7x", torus_dims=3, chip_config="default",
-                        max_chips=9216, device_kind="TPU7x", devices_per_chip=2),
-}
 # Spellings of Ironwood that libtpu refuses as topology names: named in the error
 _TPU7X_SPELLINGS = ("v7x", "v7", "tpu7", "ironwood")
 
 _FLAGS_AT_LOAD: list = []      # LIBTPU_INIT_ARGS when this process loaded libtpu
+
+
+def flags_at_load() -> str | None:
+  """LIBTPU_INIT_ARGS as they were when this process loaded libtpu (its first `topology`):
+  the compiler flags of the process for good; None while libtpu is not loaded here."""
+  return _FLAGS_AT_LOAD[0] if _FLAGS_AT_LOAD else None
 
 
 def have_libtpu() -> bool:
@@ -603,31 +565,6 @@ def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers:
 
 # ----------------------------------------------------------------------------- variants
 
-# The programs compared, each under its own libtpu flags (presets of `preset_flags`):
-# XLA's plain and dense programs with libtpu defaults and with the async flags the
-# rewrite gets, and the rewrite. The headline is the rewrite against the best of the four.
-VARIANTS = {   # name: (meshslice.transform?, flag presets)
-    "plain": (False, ("default",)), "dense": (False, ("dense",)),
-    "plain_async": (False, ("async",)), "dense_async": (False, ("dense", "async")),
-    "meshslice": (True, ("async",)),
-    # the rewrite with windowed einsum off too: the sites it leaves to XLA run XLA's
-    # dense program, and the planner prices them so (the rival with the same flags is
-    # dense_async)
-    "meshslice_dense": (True, ("dense", "async")),
-}
-XLA_VARIANTS = ("plain", "dense", "plain_async", "dense_async")
-
-
-def variant_flags(variant: str, generation: str | None, async_presets: str = "async") -> tuple:
-  """The libtpu flags `variant` (a `VARIANTS` name) compiles with on `generation`, its
-  async part from `async_presets` (preset names, comma-separated)."""
-  if variant not in VARIANTS:
-    raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-  names = [n for p in VARIANTS[variant][1]
-           for n in (async_presets.split(",") if p == "async" else [p])]
-  return preset_flags(names, generation)
-
-
 def versus_best_xla(rows: dict, key: str = "step_s", variant: str = "meshslice"):
   """(best XLA variant name, its `key`, its `key` / `variant`'s: > 1 is the rewrite
   faster) among the XLA variants present in `rows` ({variant: row dict}); None when
@@ -640,12 +577,141 @@ def versus_best_xla(rows: dict, key: str = "step_s", variant: str = "meshslice")
   return best, xla[best], xla[best] / rows[variant][key]
 
 
+# ----------------------------------------------------------------------------- table
+
+# the table's rows: (label, figure of a row dict (`AotResult.row()`), format)
+_ROWS = (("compute cycles (M)", lambda r: r["compute_cycles"] / 1e6, "{:.1f}"),
+         ("  dot cycles (M)", lambda r: r["dot_cycles"] / 1e6, "{:.1f}"),
+         ("  relayout copy cycles (M)", lambda r: r["copy_cycles"] / 1e6, "{:.2f}"),
+         ("relayout copies", lambda r: r["relayout_copies"], "{:d}"),
+         ("collectives (sync / async)",
+          lambda r: f"{r['collectives']} ({r['sync_collectives']} / {r['async_collectives']})",
+          "{}"),
+         ("collective bytes / device (MB)", lambda r: r["collective_bytes"] / 1e6, "{:.1f}"),
+         ("windowed-einsum loops", lambda r: r["windowed_einsum_loops"], "{:d}"),
+         ("simulated step (ms)", lambda r: r["step_s"] * 1e3, "{:.3f}"),
+         ("  compute (ms)", lambda r: r["compute_s"] * 1e3, "{:.3f}"),
+         ("  exposed communication (ms)", lambda r: r["exposed_s"] * 1e3, "{:.3f}"),
+         ("  most of it waiting on", lambda r: _largest_wait(r), "{}"),
+         ("peak memory / device (GiB)", lambda r: r["peak_bytes"] / 2**30, "{:.2f}"),
+         ("compile time (s)", lambda r: r["compile_s"], "{:.0f}"))
+
+
+def _largest_wait(row: dict) -> str:
+  """The label and ms of the largest group of waits (`Simulation.exposed_by`), or "-"."""
+  groups = row.get("exposed_by") or []
+  if not groups:
+    return "-"
+  label, seconds, _ = groups[0]
+  return f"{label} ({seconds * 1e3:.2f})"
+
+
+def format_table(results: dict) -> str:
+  """Side-by-side table of {variant: AotResult or row dict} (ratio column for two
+  variants), each column's libtpu flags under it, and meshslice against the best XLA
+  variant when both are there."""
+  names = list(results)
+  rows = {n: (results[n] if isinstance(results[n], dict) else results[n].row())
+          for n in names}
+  lines = [["", *names] + (["ratio"] if len(names) == 2 else [])]
+  for label, get, fmt in _ROWS:
+    values = [get(rows[n]) for n in names]
+    line = [label] + [fmt.format(v) for v in values]
+    if len(names) == 2:
+      a, b = values
+      line.append(f"{b / a:.2f}x" if isinstance(a, (int, float)) and a else "")
+    lines.append(line)
+  widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
+  text = [ "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(l, widths))) for l in lines]
+  text.append("libtpu flags (LIBTPU_INIT_ARGS):")
+  text += [f"  {n}: {rows[n].get('flags') or '(libtpu defaults)'}" for n in names]
+  for variant in (n for n in names if VARIANTS.get(n, (False,))[0]):
+    best = versus_best_xla(rows, variant=variant)
+    if best is not None:
+      name, seconds, ratio = best
+      text.append(f"{variant} vs the best XLA variant ({name}, {seconds * 1e3:.3f} ms): "
+                  f"{ratio:.3f}x ({'faster' if ratio > 1 else 'not faster'})")
+  return "\n".join(text)
+
+
+# ----------------------------------------------------------------------------- workers
+
+class FreshProcessError(RuntimeError):
+  """A `run_in_fresh_process` worker that failed: exited non-zero, timed out, or printed
+  records its caller's `check` refused.
+
+  Attributes:
+    argv: the worker's arguments (after the Python executable).
+    returncode: its exit status (None when it timed out).
+    stdout: everything it printed on stdout; stderr: on stderr.
+    timed_out: whether it was killed for running past the timeout.
+  """
+
+  def __init__(self, argv, returncode, stdout: str, stderr: str, *, timed_out=False):
+    what = "timed out" if timed_out else f"exit {returncode}"
+    super().__init__(f"python {' '.join(map(str, argv))} failed ({what}):\n{stderr[-3000:]}")
+    self.argv, self.returncode, self.stdout, self.stderr = list(argv), returncode, stdout, stderr
+    self.timed_out = timed_out
+
+
+def run_in_fresh_process(argv, *, prefix: str = "", echo=None, check=None,
+                         drop_env=("XLA_FLAGS",), timeout: float | None = None) -> list[dict]:
+  """Run `python argv...` (this interpreter) in a fresh process and return the JSON
+  objects it prints: the one worker protocol of the AOT tooling, since libtpu reads its
+  flags once per process, so each flag set compiles in a process of its own.
+
+  The worker prints one record per stdout line, `prefix` then a JSON object; every other
+  stdout line is passed to `echo` as it comes (the line as printed, newline included).
+
+  check: given, a test of the records (e.g. `bool`: at least one); False counts as a
+    failure. drop_env: variables of this process's environment the worker does not get
+    (XLA_FLAGS: the caller's emulated CPU devices would ask a TPU compile for them).
+  timeout: seconds to wait for the worker's exit once its stdout has closed.
+
+  Raises:
+    FreshProcessError: the worker exited non-zero, timed out, or failed `check`; it
+      carries the exit status and the worker's stdout and stderr.
+  """
+  env = {k: v for k, v in os.environ.items() if k not in drop_env}
+  proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
+  assert proc.stdout is not None and proc.stderr is not None      # both PIPE
+  errors: list = []
+  stderr_pipe = proc.stderr
+  drain = threading.Thread(target=lambda: errors.append(stderr_pipe.read()), daemon=True)
+  drain.start()                  # stderr read beside stdout: a full pipe cannot stall it
+  printed, lines = [], []
+  for line in proc.stdout:
+    printed.append(line)
+    if line.startswith(prefix + "{"):
+      lines.append(line[len(prefix):])
+    elif echo is not None:
+      echo(line)
+  try:
+    proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    drain.join()
+    raise FreshProcessError(argv, None, "".join(printed), "".join(errors),
+                            timed_out=True) from None
+  drain.join()
+  stdout, stderr = "".join(printed), "".join(errors)
+  if proc.returncode:
+    raise FreshProcessError(argv, proc.returncode, stdout, stderr)
+  records = [json.loads(line) for line in lines]
+  if check is not None and not check(records):
+    raise FreshProcessError(argv, proc.returncode, stdout, stderr)
+  return records
+
+
 # ----------------------------------------------------------------------------- moved
 
 # The `aot` CLI moved to aot_cli, which imports this module; its names resolve there on
-# first use (PEP 562) so that `aot.main` / `aot.format_table` keep working while
-# importing aot neither loads the CLI nor closes an import cycle.
-_MOVED_TO_CLI = ("format_table", "main", "_ROWS", "_variant_worker")
+# first use (PEP 562) so that `aot.main` keeps working while importing aot does not load
+# the CLI. (An import cycle all the same: tests/test_layering.KNOWN_CYCLES.)
+_MOVED_TO_CLI = ("main", "_variant_worker")
 
 
 def __getattr__(name: str):

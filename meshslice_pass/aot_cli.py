@@ -3,76 +3,23 @@ ahead of time as XLA's four programs (plain and dense, each with libtpu defaults
 the async collective flags) and the meshslice rewrite, each variant in its own process
 under its own libtpu flags, and print what the compiler made of each side by side.
 
-The compiling and reading is meshslice.aot's (`compare`, `VARIANTS`, `variant_flags`,
-`versus_best_xla`); this module is the command line and its table. `aot.format_table` and
-`aot.main` still resolve here.
+The compiling, reading and the table are meshslice.aot's (`compare`, `VARIANTS`,
+`variant_flags`, `format_table`), and so is the fresh process per variant
+(`run_in_fresh_process`); this module is the command line. `aot.main` still resolves
+here, and `format_table` is still importable from here.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-from .aot import (VARIANTS, compare, have_libtpu, parse_topology, preset_flags, set_flags,
-                  variant_flags, versus_best_xla)
-
-# the table's rows: (label, figure of a row dict (`AotResult.row()`), format)
-_ROWS = (("compute cycles (M)", lambda r: r["compute_cycles"] / 1e6, "{:.1f}"),
-         ("  dot cycles (M)", lambda r: r["dot_cycles"] / 1e6, "{:.1f}"),
-         ("  relayout copy cycles (M)", lambda r: r["copy_cycles"] / 1e6, "{:.2f}"),
-         ("relayout copies", lambda r: r["relayout_copies"], "{:d}"),
-         ("collectives (sync / async)",
-          lambda r: f"{r['collectives']} ({r['sync_collectives']} / {r['async_collectives']})",
-          "{}"),
-         ("collective bytes / device (MB)", lambda r: r["collective_bytes"] / 1e6, "{:.1f}"),
-         ("windowed-einsum loops", lambda r: r["windowed_einsum_loops"], "{:d}"),
-         ("simulated step (ms)", lambda r: r["step_s"] * 1e3, "{:.3f}"),
-         ("  compute (ms)", lambda r: r["compute_s"] * 1e3, "{:.3f}"),
-         ("  exposed communication (ms)", lambda r: r["exposed_s"] * 1e3, "{:.3f}"),
-         ("  most of it waiting on", lambda r: _largest_wait(r), "{}"),
-         ("peak memory / device (GiB)", lambda r: r["peak_bytes"] / 2**30, "{:.2f}"),
-         ("compile time (s)", lambda r: r["compile_s"], "{:.0f}"))
-
-
-def _largest_wait(row: dict) -> str:
-  """The label and ms of the largest group of waits (`Simulation.exposed_by`), or "-"."""
-  groups = row.get("exposed_by") or []
-  if not groups:
-    return "-"
-  label, seconds, _ = groups[0]
-  return f"{label} ({seconds * 1e3:.2f})"
-
-
-def format_table(results: dict) -> str:
-  """Side-by-side table of {variant: AotResult or row dict} (ratio column for two
-  variants), each column's libtpu flags under it, and meshslice against the best XLA
-  variant when both are there."""
-  names = list(results)
-  rows = {n: (results[n] if isinstance(results[n], dict) else results[n].row())
-          for n in names}
-  lines = [["", *names] + (["ratio"] if len(names) == 2 else [])]
-  for label, get, fmt in _ROWS:
-    values = [get(rows[n]) for n in names]
-    line = [label] + [fmt.format(v) for v in values]
-    if len(names) == 2:
-      a, b = values
-      line.append(f"{b / a:.2f}x" if isinstance(a, (int, float)) and a else "")
-    lines.append(line)
-  widths = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
-  text = [ "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(l, widths))) for l in lines]
-  text.append("libtpu flags (LIBTPU_INIT_ARGS):")
-  text += [f"  {n}: {rows[n].get('flags') or '(libtpu defaults)'}" for n in names]
-  for variant in (n for n in names if VARIANTS.get(n, (False,))[0]):
-    best = versus_best_xla(rows, variant=variant)
-    if best is not None:
-      name, seconds, ratio = best
-      text.append(f"{variant} vs the best XLA variant ({name}, {seconds * 1e3:.3f} ms): "
-                  f"{ratio:.3f}x ({'faster' if ratio > 1 else 'not faster'})")
-  return "\n".join(text)
+# format_table (and its rows) moved back to aot; importable from here as before
+from .aot import (_ROWS, VARIANTS, FreshProcessError, _largest_wait,  # noqa: F401
+                  compare, format_table, have_libtpu, parse_topology, preset_flags,
+                  run_in_fresh_process, set_flags, variant_flags, versus_best_xla)
 
 
 def _variant_worker(args, gen, shape, options) -> int:
@@ -171,21 +118,25 @@ def main(argv=None) -> int:
   passthrough += [f"--batch={args.batch}"] if args.batch else []
   passthrough += [f"--seq={args.seq}"] if args.seq else []
   passthrough += [f"--profile={args.profile}"] if args.profile else []
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env.pop("LIBTPU_INIT_ARGS", None)
   for v in variants:
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "row.json")
-      proc = subprocess.run([sys.executable, "-m", "meshslice", "aot", *passthrough,
-                             f"--variant={v}", f"--json={out}"], env=env, text=True,
-                            capture_output=True)
-      if VARIANTS[v][0] or proc.returncode:
-        print(proc.stdout, end="", flush=True)
-      if proc.returncode or not os.path.exists(out):
-        print(f"error: variant {v} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
+      # the worker writes its row to --json (it prints no records); its report is printed
+      # here when it is the rewrite's, or when it failed
+      printed: list = []
+      try:
+        run_in_fresh_process(["-m", "meshslice", "aot", *passthrough, f"--variant={v}",
+                              f"--json={out}"], prefix="RECORD ", echo=printed.append,
+                             check=lambda _, out=out: os.path.exists(out),
+                             drop_env=("XLA_FLAGS", "LIBTPU_INIT_ARGS"))
+      except FreshProcessError as e:
+        if VARIANTS[v][0] or e.returncode:
+          print(e.stdout, end="", flush=True)
+        print(f"error: variant {v} failed (exit {e.returncode}):\n{e.stderr[-2000:]}",
               file=sys.stderr)
         return 2
+      if VARIANTS[v][0]:
+        print("".join(printed), end="", flush=True)
       with open(out) as f:
         rows[v] = json.load(f)
   print(format_table(rows))

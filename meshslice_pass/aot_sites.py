@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 
 FLAG_SETS = ("async", "async_dense", "default", "dense")
@@ -56,12 +54,12 @@ class Case:
 
 def flags_of(flag_set: str, generation: str | None = None) -> tuple:
   """The libtpu flags of a flag set (module docstring) on a TPU generation."""
-  from . import aot
+  from .backend_flags import preset_flags
   presets = {"async": ("async",), "async_dense": ("async", "dense"), "default": (),
              "dense": ("dense",)}
   if flag_set not in presets:
     raise ValueError(f"flag set must be one of {FLAG_SETS}, got {flag_set!r}")
-  return aot.preset_flags(presets[flag_set], generation)
+  return preset_flags(presets[flag_set], generation)
 
 
 def _geometry(case: Case, rows: int, cols: int, dtype):
@@ -153,29 +151,25 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
 
 def compile_in_subprocess(topology: str, mesh_shape, cases, flag_set: str, *,
                           ksplits=(1, 2, 4), timeout: float = 3600, echo=None) -> list[dict]:
-  """`compile_cases` in a fresh Python process (libtpu flags are per process); progress
-  lines are passed to `echo` as they come."""
+  """`compile_cases` in a fresh Python process (libtpu flags are per process,
+  `aot.run_in_fresh_process`); progress lines are passed to `echo` as they come."""
+  from . import aot
   spec = {"topology": topology, "mesh": list(mesh_shape), "flag_set": flag_set,
           "ksplits": list(ksplits), "cases": [dataclasses.asdict(c) for c in cases]}
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)       # the caller's emulated CPU devices are not wanted here
-  proc = subprocess.Popen([sys.executable, "-m", "meshslice.aot_sites", json.dumps(spec)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-  records = []
-  assert proc.stdout is not None       # stdout=PIPE
+
+  def progress(line: str) -> None:
+    if echo and line.strip():
+      echo(line.rstrip())
+
+  # XLA_FLAGS is not passed on: the caller's emulated CPU devices are not wanted here
   try:
-    for line in proc.stdout:
-      if line.startswith("RECORD "):
-        records.append(json.loads(line[len("RECORD "):]))
-      elif echo and line.strip():
-        echo(line.rstrip())
-    _, err = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    raise RuntimeError(f"{flag_set} compiles timed out after {timeout} s") from None
-  if proc.returncode:
-    raise RuntimeError(f"{flag_set} compiles failed (exit {proc.returncode}):\n{err[-3000:]}")
-  return records
+    return aot.run_in_fresh_process(["-m", "meshslice.aot_sites", json.dumps(spec)],
+                                    prefix="RECORD ", echo=progress, timeout=timeout)
+  except aot.FreshProcessError as e:
+    if e.timed_out:
+      raise RuntimeError(f"{flag_set} compiles timed out after {timeout} s") from None
+    raise RuntimeError(f"{flag_set} compiles failed (exit {e.returncode}):\n"
+                       f"{e.stderr[-3000:]}") from None
 
 
 def _worker(spec_json: str) -> int:
@@ -189,7 +183,8 @@ def _worker(spec_json: str) -> int:
 
 
 # `python -m meshslice calibrate --aot` moved to calibrate_aot, which imports this module:
-# resolved on first use (PEP 562), so that the import graph stays acyclic.
+# resolved on first use (PEP 562), so that importing aot_sites does not load the CLI.
+# (An import cycle all the same: tests/test_layering.KNOWN_CYCLES.)
 _MOVED_TO_CALIBRATE = ("calibrate_main", "DEFAULT_SHAPES")
 
 

@@ -7,6 +7,12 @@ XLA's latency-hiding scheduler (docs/tpu.md); both are read once, when the backe
 starts. The report says when they are missing, and when a flag the newest libtpu calls
 unsafe for the mesh's TPU generation is set.
 
+The TPU target table lives here: `GENERATIONS` (one `Generation` row per TPU
+generation: profile, torus, device kind, async flags), from which `TPU_ASYNC_FLAGS`,
+`tpu_generation` and `profile_generation` read; and the named flag sets compiled with
+(`FLAG_PRESETS` / `preset_flags`, the compared programs `VARIANTS` / `variant_flags`),
+which meshslice.aot re-exports.
+
 The flags per generation (`tpu_overlap_flags`; measured on libtpu 0.0.42.1 and 0.0.50.1,
 docs/tpu.md "Flags per generation"):
 
@@ -47,6 +53,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # MaxText's CF_FOR_ALL_GATHER group: async collective fusion, all-gathers included
@@ -114,23 +121,63 @@ ASYNC_ALL_TO_ALL_FLAGS = ("--xla_tpu_enable_async_all_to_all=true",)
 # The flag libtpu 0.0.50.1 refuses outside v5e.
 _UNSAFE_OFF_V5E = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
 
+# The TPU target table: one row per generation as libtpu names it, with the project's
+# profile for it, how jax names its devices, and the async collective flags to compile
+# and run with there (module docstring). `TPU_ASYNC_FLAGS`, `tpu_generation` and
+# `profile_generation` are read off these rows; meshslice.aot topologies and meshes too.
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Generation:
+  """A TPU generation as libtpu names it, and the project's profile for it."""
+
+  name: str
+  profile: str
+  torus_dims: int           # 3: v4 / v5p / tpu7x, 2: v5e / v6e
+  chip_config: str          # chip_config_name for get_topology_desc
+  max_chips: int            # largest single slice
+  device_kind: str
+  devices_per_chip: int = 1  # 2 on tpu7x: each TensorCore is its own device
+  # the async collective flags to compile and run with (`tpu_overlap_flags`)
+  async_flags: tuple = dataclasses.field(default=SAFE_ASYNC_FLAGS, repr=False)
+
+
+GENERATIONS = {
+    "v4": Generation(name="v4", profile="tpu-v4", torus_dims=3, chip_config="megacore",
+                     max_chips=4096, device_kind="TPU v4", async_flags=SAFE_ASYNC_FLAGS),
+    "v5p": Generation(name="v5p", profile="tpu-v5p", torus_dims=3, chip_config="megacore",
+                      max_chips=8960, device_kind="TPU v5",
+                      async_flags=SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS),
+    "v5e": Generation(name="v5e", profile="tpu-v5e", torus_dims=2, chip_config="default",
+                      max_chips=256, device_kind="TPU v5 lite",
+                      async_flags=CONTINUATION_FUSION_FLAGS),
+    "v6e": Generation(name="v6e", profile="tpu-v6e", torus_dims=2, chip_config="default",
+                      max_chips=256, device_kind="TPU v6 lite",
+                      async_flags=SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS),
+    # Ironwood: 9,216 chips per pod (cloud.google.com/tpu/docs/tpu7x); libtpu 0.0.42.1
+    # refuses the "megacore" chip config for it, so a chip is two devices
+    "tpu7x": Generation(name="tpu7x", profile="tpu-v7x", torus_dims=3, chip_config="default",
+                        max_chips=9216, device_kind="TPU7x", devices_per_chip=2,
+                        async_flags=TPU7X_FLAGS),
+}
+
+
+def _chip_name(generation: str) -> str:
+  """How reports name a generation's chip: "TPU v4", ..., "TPU7x" (jax's device_kind)."""
+  return "TPU7x" if generation == "tpu7x" else f"TPU {generation}"
+
+
 # Async collective flags to compile and run with, per TPU generation (module docstring).
-TPU_ASYNC_FLAGS = {"v4": SAFE_ASYNC_FLAGS, "v5p": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS,
-                   "v5e": CONTINUATION_FUSION_FLAGS,
-                   "v6e": SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS,
-                   "tpu7x": TPU7X_FLAGS}
+TPU_ASYNC_FLAGS = {g.name: g.async_flags for g in GENERATIONS.values()}
 # A TPU of unknown generation gets the flags that are safe everywhere they were tried.
 TPU_OVERLAP_FLAGS = SAFE_ASYNC_FLAGS
 GPU_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
 _VARIABLE = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
 
-# jax device_kind -> generation (compile-only topologies and real chips; Ironwood's
-# devices say "TPU7x", one per TensorCore)
-_DEVICE_KINDS = {"tpu v4": "v4", "tpu v5": "v5p", "tpu v5p": "v5p", "tpu v5 lite": "v5e",
-                 "tpu v5e": "v5e", "tpu v6 lite": "v6e", "tpu v6e": "v6e",
-                 "tpu7x": "tpu7x"}
-# profile name (after "tpu-") -> generation, where the two differ
-_PROFILE_GENERATIONS = {"v7x": "tpu7x"}
+# jax device_kind -> generation (compile-only topologies and real chips, e.g. "TPU v5" and
+# "TPU v5p" for v5p; Ironwood's devices say "TPU7x", one per TensorCore)
+_DEVICE_KINDS = {kind.lower(): g.name for g in GENERATIONS.values()
+                 for kind in (g.device_kind, _chip_name(g.name))}
+# profile name (after "tpu-") -> generation ("v7x" -> "tpu7x")
+_PROFILE_GENERATIONS = {g.profile[len("tpu-"):]: g.name for g in GENERATIONS.values()}
 
 
 def tpu_generation(device_kind: str) -> str | None:
@@ -263,11 +310,6 @@ def missing_overlap_flags(platform: str, environ=None, *, generation=None) -> tu
   return tuple(flag for flag in wanted if flag not in given)
 
 
-def _chip_name(generation: str) -> str:
-  """How reports name a generation's chip: "TPU v4", ..., "TPU7x" (jax's device_kind)."""
-  return "TPU7x" if generation == "tpu7x" else f"TPU {generation}"
-
-
 # TPU generations whose libtpu keeps reduce-scatters synchronous under every flag tried
 # (docs/tpu.md): there the pass's all-to-all form is what overlaps them
 SYNC_REDUCE_SCATTER_GENERATIONS = ("v4", "v5p", "v6e")
@@ -327,3 +369,58 @@ def _all_to_all_note(sites, generation, environ=None) -> tuple:
           f"{ASYNC_ALL_TO_ALL_FLAGS[0]} in LIBTPU_INIT_ARGS as well (set before jax "
           f"starts) the pass sends them as async all-to-alls (reduce_scatter='auto'; "
           f"docs/tpu.md)",)
+
+
+# ----------------------------------------------------------------------------- presets
+
+# Generation-independent presets (legacy: "async" is the continuation-fusion group). For
+# a topology use `preset_flags`, where "async" is the generation's own set.
+FLAG_PRESETS = {"default": (), "async": CONTINUATION_FUSION_FLAGS,
+                "fusion": CONTINUATION_FUSION_FLAGS, "safe_async": SAFE_ASYNC_FLAGS,
+                "dense": DENSE_FLAGS, "all_to_all": ASYNC_ALL_TO_ALL_FLAGS}
+
+
+def preset_flags(presets, generation: str | None) -> tuple:
+  """The libtpu flags of preset names (a comma-separated string or a sequence) for a TPU
+  generation: "default" (none), "async" (the generation's async collective flags,
+  `tpu_overlap_flags`: no all-gather continuation fusion on v4 / v5p / v6e), "fusion"
+  (the continuation-fusion group, `CONTINUATION_FUSION_FLAGS`: `aot.ASYNC_FLAGS`),
+  "safe_async", "dense"
+  (windowed einsum off), "all_to_all" (async all-to-all, for `reduce_scatter="all_to_all"`).
+
+  Example:
+    >>> preset_flags("dense,async", "v4")[-1]
+    '--xla_enable_async_all_gather=true'
+  """
+  names = [p.strip() for p in presets.split(",")] if isinstance(presets, str) else presets
+  out = []
+  for name in (n for n in names if n):
+    if name not in FLAG_PRESETS:
+      raise ValueError(f"unknown libtpu flag preset {name!r}; known: {', '.join(FLAG_PRESETS)}")
+    out += tpu_overlap_flags(generation) if name == "async" else FLAG_PRESETS[name]
+  return tuple(out)
+
+
+# The programs compared, each under its own libtpu flags (presets of `preset_flags`):
+# XLA's plain and dense programs with libtpu defaults and with the async flags the
+# rewrite gets, and the rewrite. The headline is the rewrite against the best of the four.
+VARIANTS = {   # name: (meshslice.transform?, flag presets)
+    "plain": (False, ("default",)), "dense": (False, ("dense",)),
+    "plain_async": (False, ("async",)), "dense_async": (False, ("dense", "async")),
+    "meshslice": (True, ("async",)),
+    # the rewrite with windowed einsum off too: the sites it leaves to XLA run XLA's
+    # dense program, and the planner prices them so (the rival with the same flags is
+    # dense_async)
+    "meshslice_dense": (True, ("dense", "async")),
+}
+XLA_VARIANTS = ("plain", "dense", "plain_async", "dense_async")
+
+
+def variant_flags(variant: str, generation: str | None, async_presets: str = "async") -> tuple:
+  """The libtpu flags `variant` (a `VARIANTS` name) compiles with on `generation`, its
+  async part from `async_presets` (preset names, comma-separated)."""
+  if variant not in VARIANTS:
+    raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+  names = [n for p in VARIANTS[variant][1]
+           for n in (async_presets.split(",") if p == "async" else [p])]
+  return preset_flags(names, generation)

@@ -158,6 +158,12 @@ def _held(report, plan, request: HeldGathers):
   return plan if indexes else None
 
 
+# public names of the candidate builders, for code that builds a candidate's plan as tune
+# does (bench/tpu_models.py)
+frozen_plan = _frozen
+sliced_plan = _sliced
+
+
 def _peak(candidate) -> int:
   """libtpu's peak for the candidate's program, or the bytes formula where it gives none."""
   result = candidate.result
@@ -460,14 +466,14 @@ def _default_flags(generation: str):
   good (read once per process), and LIBTPU_INIT_ARGS keeps saying so, error or not: the
   planner and `aot.analyze` read it as the flags the compiler runs with."""
   from . import aot
-  if aot._FLAGS_AT_LOAD or "LIBTPU_INIT_ARGS" in os.environ:
+  if aot.flags_at_load() is not None or "LIBTPU_INIT_ARGS" in os.environ:
     yield
     return
   aot.set_flags(*aot.preset_flags("async", generation))
   try:
     yield
   except BaseException:
-    if not aot._FLAGS_AT_LOAD:                   # libtpu did not load: the flags never took
+    if aot.flags_at_load() is None:              # libtpu did not load: the flags never took
       os.environ.pop("LIBTPU_INIT_ARGS", None)
     raise
 

@@ -116,10 +116,12 @@ def test_thin_margins_go_to_fewer_slices_and_are_reported(monkeypatch):
   """Inside the model's 2% error the candidate with fewer slices wins (the compiled
   program pays per-slice costs the model does not price); outside it the fastest does."""
   from meshslice import costing, costmodel
+  from meshslice.costmodel import site_choice
   problem = costmodel.GemmProblem(m=4096, n=4096, k=4096, rows=2, cols=4)
   times = {("collective", 1): 1.000, ("meshslice", 2): 0.990, ("meshslice", 4): 0.900}
-  monkeypatch.setattr(costing, "predict", lambda p, prof, alg, flow, k, terms=None, offloaded=(),
-                      forward=False: times[(alg, k)])
+  # choose ranks by its own module's predict (costing re-exports both)
+  monkeypatch.setattr(site_choice, "predict", lambda p, prof, alg, flow, k, terms=None,
+                      offloaded=(), forward=False: times[(alg, k)])
 
   def pick():
     return costing.choose(problem, None, "os", algorithms=("collective", "meshslice"),
@@ -153,10 +155,10 @@ def test_the_gpt3_layer_at_64x4_runs_fewer_slices_where_the_model_cannot_tell():
   built-in TPU terms put S=3 within 0.3 % of S=2; the pass runs S=2 and says why. The
   compiled program agrees (docs/tpu.md: 1.056x -> 1.032x dense compute)."""
   import re
-  from meshslice import demo
+  from meshslice import demo, gpt
   # the rule between rewrites; against XLA (by more than costing.XLA_MARGIN) these
   # sites are left alone by the default plan
-  report = demo.plan_at_scale(demo.GPT3_LAYER, mesh_shape=(64, 4), echo=lambda *a: None,
+  report = demo.plan_at_scale(gpt.GPT3_LAYER, mesh_shape=(64, 4), echo=lambda *a: None,
                               xla_baseline="none")
   overridden = [s for s in report.rewritten if "fewer slices than" in s.note]
   assert overridden
