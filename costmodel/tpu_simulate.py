@@ -10,12 +10,19 @@ it changes for other reasons than the reader does (link models, clocks, how wait
 counted; `routed_links` hands in a second link model). It imports the reader;
 `tpu_schedule` re-exports both under the old names.
 
-Simulation (`simulate`). One compute stream and one link stream per profile dim (0, 1):
+Simulation (`simulate`). One compute stream, and per profile dim (0, 1) two link
+streams, one per direction round the axis's rings (ICI links are full duplex):
 
   compute op      t += cycles / clock_hz
-  sync collective starts when the chip reaches it and its link is free; t = its end
-  async start     starts when the chip reaches it and its link is free (t unchanged)
+  sync collective starts when the chip reaches it and its links are free; t = its end
+  async start     starts when the chip reaches it and its links are free (t unchanged)
   async done      t = max(t, end of its collective)
+
+A ring collective (bidirectional rings, as libtpu runs them) holds both directions of its
+dim; a collective-permute that shifts every partition the same way round its ring (+1 or
+-1: what XLA's bidirectional windowed einsum issues in pairs) holds one
+(`link_streams`), so the two halves of such a pair move at once, as they do on the
+torus, instead of one after the other.
 
 Collective durations come from the project's ICI model (`timing.collective_time`,
 `permute_time`, `all_reduce_time` with the profile's bandwidths, hop latencies and
@@ -196,11 +203,53 @@ def collective_seconds(op: CompiledOp, profile: HardwareProfile, axis_dims=None)
   return 0.0
 
 
+def link_streams(op: CompiledOp) -> tuple[tuple[int, int], ...]:
+  """The link streams a collective holds while it moves: (profile dim, direction) pairs,
+  direction +1 or -1 round the dim's rings. A collective-permute whose pairs all shift
+  the same way round their rings (the sets of partitions they connect, in id order) holds
+  that one direction; every other collective (rings run both ways) holds both.
+
+  Example (4 partitions in a ring, minor axis):
+    >>> fwd = CompiledOp(name="p", opcode="collective-permute-start", kind="start",
+    ...                  collective="collective-permute", link=1,
+    ...                  pairs=((0, 1), (1, 2), (2, 3), (3, 0)))
+    >>> bwd = dataclasses.replace(fwd, pairs=((0, 3), (1, 0), (2, 1), (3, 2)))
+    >>> link_streams(fwd), link_streams(bwd)
+    (((1, 1),), ((1, -1),))
+    >>> link_streams(dataclasses.replace(fwd, collective="all-gather", pairs=()))
+    ((1, 1), (1, -1))
+  """
+  both = ((op.link, 1), (op.link, -1))
+  if op.collective != "collective-permute" or not op.pairs:
+    return both
+  parent: dict = {}
+
+  def find(a):
+    while parent.setdefault(a, a) != a:
+      a = parent[a]
+    return a
+  for a, b in op.pairs:
+    parent[find(a)] = find(b)
+  rings: dict = {}
+  for a in parent:
+    rings.setdefault(find(a), []).append(a)
+  position = {a: (i, len(ring)) for ring in rings.values()
+              for i, a in enumerate(sorted(ring))}
+  shifts = set()
+  for a, b in op.pairs:
+    (i, n), (j, _) = position[a], position[b]
+    step = (j - i) % n
+    shifts.add(1 if step == 1 else -1 if step == n - 1 else 0)
+  if len(shifts) == 1 and 0 not in shifts:
+    return ((op.link, shifts.pop()),)
+  return both
+
+
 def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = "tpu-v4", *,
              clock_hz: float | None = None, axis_dims=None, collective_time=None,
              model: str | None = None) -> Simulation:
-  """Walk the schedule: compiler cycles on one compute stream, collectives on one link
-  stream per profile dim; async collectives overlap what runs between start and done,
+  """Walk the schedule: compiler cycles on one compute stream, collectives on link streams
+  per profile dim and direction (`link_streams`); async collectives overlap what runs between start and done,
   sync ones add (module docstring).
 
   profile: a HardwareProfile or a profile name (`load_profile`); its collective numbers
@@ -227,7 +276,7 @@ def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = 
       raise ValueError(f"simulate: no TPU clock known for profile {profile.name!r} "
                        f"(known: {sorted(CLOCK_HZ)}); pass clock_hz=")
     clock_hz = CLOCK_HZ[profile.name]
-  state = {"t": 0.0, "links": {0: 0.0, 1: 0.0}, "pending": {}, "compute": 0.0,
+  state = {"t": 0.0, "links": {}, "pending": {}, "compute": 0.0,
            "comm": 0.0, "sync": 0.0, "waits": [], "timer": collective_time}
   if model is None:
     model = "alpha-beta" if collective_time is None else "custom"
@@ -253,9 +302,11 @@ def _run(entries, state, profile, clock_hz, axis_dims=None):
     if e.kind in ("collective", "start"):
       timer = state.get("timer")
       seconds = timer(e) if timer else collective_seconds(e, profile, axis_dims)
-      begin = max(state["t"], state["links"][e.link])
+      streams = link_streams(e)
+      begin = max([state["t"]] + [state["links"].get(k, 0.0) for k in streams])
       end = begin + seconds
-      state["links"][e.link] = end
+      for k in streams:
+        state["links"][k] = end
       state["comm"] += seconds
       wait = Wait(name=e.name, collective=e.collective, sync=e.kind == "collective",
                   group_size=e.group_size, link=e.link, bytes=e.bytes, seconds=seconds,

@@ -627,3 +627,30 @@ ENTRY %main (p0: bf16[1024,1024]) -> bf16[4096,1024] {
   assert sim.step_s == pytest.approx(2 * AG4)
   assert sum(w.waited_s for w in sim.waits) == pytest.approx(sim.exposed_s)
   assert sim.exposed_by(top=1) == [("sync all-gather n=4 link 1", pytest.approx(wait.waited_s), 1)]
+
+
+_BIDIRECTIONAL = """
+ENTRY %main (p0: bf16[1024,1024]) -> bf16[1024,1024] {{
+  %p0 = bf16[1024,1024]{{L}} parameter(0)
+  %fwd = (bf16[1024,1024]{{L}}, bf16[1024,1024]{{L}}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(%p0), channel_id=1, source_target_pairs={{{{0,1}},{{1,2}},{{2,3}},{{3,0}},{{4,5}},{{5,6}},{{6,7}},{{7,4}}}}
+  %other = (bf16[1024,1024]{{L}}, bf16[1024,1024]{{L}}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(%p0), channel_id=2, source_target_pairs={second}
+  %fd = bf16[1024,1024]{{L}} collective-permute-done(%fwd)
+  %od = bf16[1024,1024]{{L}} collective-permute-done(%other)
+  ROOT %r = bf16[1024,1024]{{L}} add(%fd, %od)
+}}"""
+_BACKWARD_PAIRS = "{{0,3},{1,0},{2,1},{3,2},{4,7},{5,4},{6,5},{7,6}}"
+_FORWARD_PAIRS = "{{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}"
+
+
+@pytest.mark.parametrize("second,step", [
+    (_BACKWARD_PAIRS, CP1),          # opposite directions: both links at once
+    (_FORWARD_PAIRS, 2 * CP1),       # the same direction: one after the other
+])
+def test_opposite_permutes_move_at_once_on_full_duplex_links(second, step):
+  """XLA's bidirectional windowed einsum sends a chunk each way round the ring; ICI links
+  are full duplex, so the +1 and -1 permutes do not queue behind each other (2 MiB on
+  dim 1: CP1 each); two permutes the same way do."""
+  text = _module(_BIDIRECTIONAL.format(second=second))
+  sim = ts.simulate(text, "tpu-v4")
+  assert sim.step_s == pytest.approx(step)
+  assert sim.collective_s == pytest.approx(2 * CP1)

@@ -1,0 +1,321 @@
+"""Anchor the TPU simulator in real hardware: MaxText's published v5p MFU, simulated.
+
+MaxText publishes the MFU it measured on v5p for the dense configs it ships
+(`configs/v5p/README.md`, added in MaxText commit 76bd53b0f, 2023-12-15; the same figures
+are in today's `src/maxtext/configs/tpu/v5p/README.md`). Those are the only real-TPU
+step times we have for 2D-sharded (fsdp x tensor) transformer training, so this script
+compiles each of those configs ahead of time, as published, and puts the simulated MFU
+beside the measured one:
+
+- the model of that commit's `base.yml` scaled by `global_parameter_scale` (its
+  `get_individual_scales` rule: head count and MLP width, then embedding, then layers,
+  doubled in turn from 2560 emb / 8 heads of 256 / 8192 MLP / 16 layers, ReLU MLP,
+  vocabulary 32768, logits through the embedding) as today's MaxText builds it
+  (`decoder_block=default`);
+- each script's per-device batch, remat policy, tensor parallelism (fsdp the rest),
+  sequence 2048, flash attention, and its `LIBTPU_INIT_ARGS` (the six scripts of that
+  commit set the same flags);
+- compiled with MaxText's own train_compile pieces (`examples/maxtext_train.py`) for the
+  named topology (v5p-N: N TensorCores, N/2 chips, one device per chip).
+
+The scanned decoder is compiled with `--layers` layers: every `while` of the program that
+runs that many trips (the forward and backward scans) is given the config's layer count
+in the simulation (`with_trip_count`), so the program simulated is the full model's.
+
+Each program is read under every model the project has (`bench/tpu_models.py`):
+
+  alpha-beta    `tpu_schedule.simulate` with the mesh's profile (`aot.analyze`)
+  routed-links  `routed_links.simulate_routed` on the devices' torus coordinates
+  libtpu-lhs    libtpu's latency-hiding scheduler total (entry + loop bodies x trips,
+                loop trips restored as above); nominal seconds = cycles / clock
+
+MFU as MaxText computed it when it published (train.py at 76bd53b0f): per device and step,
+6 x parameters x tokens + 6 x heads x layers x head_dim x seq^2 x batch (causal
+attention: half of 12), over step time x 459 TFLOP/s (v5p bf16 peak per chip).
+
+Runs in MaxText's virtual environment (docs/maxtext.md), one process per row (libtpu reads
+its flags once per process); the compiled HLO, the scheduler's log and the devices'
+coordinates are kept in --out_dir, so `--analyze` re-simulates without compiling:
+
+  .venv-maxtext/bin/python bench/maxtext_mfu.py --rows=32b --out_dir=/tmp/mfu
+  python bench/maxtext_mfu.py --analyze --out_dir=/tmp/mfu        # any venv with meshslice
+"""
+import dataclasses
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_ROWS = flags.DEFINE_list("rows", [], "rows to compile (default: all); names below")
+_LAYERS = flags.DEFINE_integer("layers", 3, "decoder layers compiled (trips restored)")
+_OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/maxtext_mfu", "where programs and JSON go")
+_ANALYZE = flags.DEFINE_bool("analyze", False, "re-simulate saved programs; compile none")
+_WORKER = flags.DEFINE_string("worker", "", "internal: compile this one row here")
+_DENSE = flags.DEFINE_bool("dense", False, "also turn XLA's windowed einsum off (the "
+                           "programs are saved as <row>_dense)")
+
+PEAK_FLOPS = {"tpu-v5p": 459e12}       # bf16 per chip, the figure MaxText's MFU divides by
+
+# The LIBTPU_INIT_ARGS of MaxText's v5p scripts at 76bd53b0f (the same in all six).
+FLAGS_2023 = ("--xla_tpu_megacore_fusion_allow_ags=false "
+              "--xla_enable_async_collective_permute=true "
+              "--xla_tpu_enable_ag_backward_pipelining=true "
+              "--xla_tpu_enable_data_parallel_all_reduce_opt=true "
+              "--xla_tpu_data_parallel_opt_different_sized_ops=true "
+              "--xla_tpu_enable_async_collective_fusion=true "
+              "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+              "--xla_tpu_overlap_compute_collective_tc=true "
+              "--xla_enable_async_all_gather=true")
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """One row of MaxText's v5p table and the settings of the script that produced it."""
+  name: str
+  topology: str              # MaxText's compile_topology (v5p-N: N TensorCores)
+  scale: int                 # global_parameter_scale
+  per_device_batch: int
+  tensor: int                # ici_tensor_parallelism (fsdp takes the rest)
+  remat: str
+  mfu: float                 # published, percent
+  tflops: float              # published TFLOP/s per chip
+
+  @property
+  def chips(self) -> int:
+    return int(self.topology.split("-")[1]) // 2
+
+
+PUBLISHED = (
+    Published("32b", "v5p-128", 32, 8, 4, "minimal", 71.47, 328),
+    Published("64b", "v5p-128", 64, 4, 4, "minimal", 70.31, 323),
+    Published("128b", "v5p-256", 128, 2, 8, "minimal", 68.68, 315),
+    Published("256b", "v5p-1024", 256, 2, 8, "minimal", 67.09, 308),
+    Published("512b", "v5p-1024", 512, 2, 16, "full", 63.99, 294),
+    Published("1024b-2048", "v5p-2048", 1024, 2, 16, "full", 55.35, 254),
+    Published("1024b-4096", "v5p-4096", 1024, 2, 16, "full", 64.80, 297),
+)
+BY_NAME = {r.name: r for r in PUBLISHED}
+SEQ = 2048
+VOCAB = 32768
+
+
+def dims(scale: int) -> dict:
+  """Model dims of MaxText's 2023 base.yml at a global_parameter_scale (its rule)."""
+  log2 = int(math.log2(scale))
+  base, rem = divmod(log2, 3)
+  heads_scale = base + int(rem > 0)
+  emb_scale = base + int(rem > 1)
+  return {"emb": 2560 * 2**emb_scale, "heads": 8 * 2**heads_scale, "head_dim": 256,
+          "mlp": 8192 * 2**heads_scale, "layers": 16 * 2**base}
+
+
+def params(d: dict) -> int:
+  """Parameters as MaxText counts them (tied embedding, two norms per layer, final norm)."""
+  layer = 4 * d["emb"] * d["heads"] * d["head_dim"] + 2 * d["emb"] * d["mlp"] + 2 * d["emb"]
+  return VOCAB * d["emb"] + d["layers"] * layer + d["emb"]
+
+
+def flops_per_device(row: Published) -> float:
+  """MaxText's training FLOPs per device per step at 76bd53b0f (train.py)."""
+  d = dims(row.scale)
+  tokens = SEQ * row.per_device_batch
+  weights = 6 * params(d) * tokens
+  attention = 12 * d["heads"] * d["layers"] * d["head_dim"] * SEQ**2 * row.per_device_batch
+  return weights + attention / 2
+
+
+def overrides(row: Published, layers: int) -> dict:
+  d = dims(row.scale)
+  return {
+      "decoder_block": "default", "global_parameter_scale": "1",
+      "base_emb_dim": d["emb"], "base_num_query_heads": d["heads"],
+      "base_num_kv_heads": d["heads"], "head_dim": d["head_dim"], "base_mlp_dim": d["mlp"],
+      "base_num_decoder_layers": layers, "mlp_activations": "['relu']",
+      "vocab_size": VOCAB, "logits_via_embedding": "True",
+      "per_device_batch_size": row.per_device_batch, "remat_policy": row.remat,
+      "ici_fsdp_parallelism": "-1", "ici_tensor_parallelism": row.tensor,
+      "max_target_length": SEQ, "use_iota_embed": "True", "attention": "flash",
+      "dataset_type": "synthetic", "steps": "1", "tokenizer_path": "",
+      "enable_checkpointing": "False", "skip_jax_distributed_system": "True",
+      "enable_goodput_recording": "False", "jax_cache_dir": "",
+      "compile_topology": row.topology, "compile_topology_num_slices": "1",
+  }
+
+
+def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False) -> None:
+  """Compile one row in this process (flags set before libtpu loads) and save it."""
+  from meshslice.backend_flags import DENSE_FLAGS
+  from meshslice.costmodel import tpu_schedule
+  os.environ["LIBTPU_INIT_ARGS"] = " ".join((FLAGS_2023,) + (DENSE_FLAGS if dense else ()))
+  os.environ.update(tpu_schedule.SCHEDULER_LOG_ENV)    # libtpu's scheduler totals
+  here = os.path.dirname(os.path.abspath(__file__))
+  sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
+  import maxtext_train                   # sets MaxText's RNG flag, CPU host, unsafe_rbg
+  import jax
+  from flax.linen import partitioning as nn_partitioning
+  config = maxtext_train.maxtext_config(
+      None, [f"{k}={v}" for k, v in overrides(row, layers).items()], tiny=False)
+  step, args, kwargs, mesh, options = maxtext_train.maxtext_aot_step(config)
+  start = time.perf_counter()
+  with tpu_schedule.capture_stderr() as log:
+    with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+      compiled = step.lower(*args, **kwargs).compile(compiler_options=options)
+  seconds = time.perf_counter() - start
+  stem = os.path.join(out_dir, row.name + ("_dense" if dense else ""))
+  with gzip.open(stem + ".hlo.gz", "wt") as f:
+    f.write(compiled.as_text())
+  with open(stem + ".lhs.log", "w") as f:
+    f.write("\n".join(l for l in log.text.splitlines() if "latency_hiding_scheduler" in l))
+  mem = compiled.memory_analysis()
+  from importlib.metadata import version
+  meta = {"row": dataclasses.asdict(row), "compiled_layers": layers,
+          "layers": dims(row.scale)["layers"],
+          "mesh": {k: int(v) for k, v in mesh.shape.items() if v > 1},
+          "devices": [[list(map(int, d.coords)), int(getattr(d, "core_on_chip", 0) or 0)]
+                      for d in mesh.devices.flat],
+          "compile_s": seconds, "jax": jax.__version__, "libtpu": version("libtpu"),
+          "maxtext": version("maxtext"), "libtpu_flags": os.environ["LIBTPU_INIT_ARGS"],
+          "overrides": {k: str(v) for k, v in overrides(row, layers).items()},
+          "libtpu_peak_bytes": int(getattr(mem, "peak_memory_in_bytes", 0) or 0),
+          "command": " ".join([sys.executable] + sys.argv)}
+  with open(stem + ".meta.json", "w") as f:
+    json.dump(meta, f)
+  print(f"{row.name}: compiled in {seconds:.0f} s", flush=True)
+
+
+def with_trip_count(schedule, compiled_layers: int, layers: int):
+  """The schedule with every loop of `compiled_layers` trips run `layers` times."""
+  from meshslice.costmodel import tpu_schedule
+
+  def fix(entries):
+    out = []
+    for e in entries:
+      if isinstance(e, tpu_schedule.Loop):
+        body = tuple(fix(e.body))
+        trips = layers if e.trip_count == compiled_layers else e.trip_count
+        e = dataclasses.replace(e, body=body, trip_count=trips)
+      out.append(e)
+    return out
+  restored = dataclasses.replace(schedule, entries=tuple(fix(schedule.entries)))
+  found = sum(1 for e in schedule.entries if isinstance(e, tpu_schedule.Loop)
+              and e.trip_count == compiled_layers)
+  return restored, found
+
+
+def analyze_row(name: str, out_dir: str) -> dict:
+  """Every model's step and MFU for one saved program."""
+  from meshslice.costmodel import profile_for_mesh, routed_links, tpu_schedule
+  from meshslice.costmodel.profiles import load_profile
+  stem = os.path.join(out_dir, name)
+  with open(stem + ".meta.json") as f:
+    meta = json.load(f)
+  row = Published(**meta["row"])
+  with gzip.open(stem + ".hlo.gz", "rt") as f:
+    text = f.read()
+  profile = "tpu-v5p"
+  base = load_profile(profile)
+  shape = (meta["mesh"].get("fsdp", 1), meta["mesh"].get("tensor", 1))
+  schedule, loops = with_trip_count(tpu_schedule.read_schedule(text, chip=profile),
+                                    meta["compiled_layers"], meta["layers"])
+  if loops == 0:
+    raise RuntimeError(f"{name}: no loop of {meta['compiled_layers']} trips in the program")
+  devices = [(tuple(c), core) for c, core in meta["devices"]]
+  ab = tpu_schedule.simulate(schedule, profile_for_mesh(base, shape),
+                             axis_dims=tpu_schedule.axis_torus_dims(base, shape),
+                             clock_hz=tpu_schedule.CLOCK_HZ[profile])
+  rt = routed_links.simulate_routed(schedule, devices, profile)
+  flops = flops_per_device(row)
+  peak = PEAK_FLOPS[profile]
+  figures = {}
+  for sim in (ab, rt):
+    figures[sim.model] = {"step_s": sim.step_s, "compute_s": sim.compute_s,
+                          "exposed_s": sim.exposed_s, "mfu": 100 * flops / sim.step_s / peak,
+                          "exposed_by": [list(g) for g in sim.exposed_by(top=4)]}
+  with open(stem + ".lhs.log") as f:
+    log = f.read()
+  lhs = _lhs_cycles(log, text, schedule)
+  if lhs:
+    step = lhs / tpu_schedule.CLOCK_HZ[profile]
+    figures["libtpu-lhs"] = {"cycles": lhs, "step_s": step,
+                             "mfu": 100 * flops / step / peak}
+  measured_step = flops / (row.mfu / 100 * peak)
+  return {"row": row.name, "program": name,
+          "windowed_einsum": "windowed_einsum_for_all_gather=false" not in meta["libtpu_flags"],
+          "topology": row.topology, "chips": row.chips,
+          "mesh": meta["mesh"], "layers": meta["layers"],
+          "compiled_layers": meta["compiled_layers"], "loops_restored": loops,
+          "flops_per_device": flops, "published_mfu": row.mfu,
+          "published_step_s": measured_step, "compute_mfu": 100 * flops / ab.compute_s / peak,
+          "models": figures, "jax": meta["jax"], "libtpu": meta["libtpu"],
+          "maxtext": meta["maxtext"], "compile_s": meta["compile_s"],
+          "libtpu_peak_bytes": meta["libtpu_peak_bytes"]}
+
+
+def _lhs_cycles(log: str, text: str, schedule) -> float | None:
+  """libtpu's scheduler total for the entry plus loop bodies x (restored) trips."""
+  import re
+  from meshslice.costmodel import tpu_schedule
+  totals = tpu_schedule.read_scheduler_log(log)
+  entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
+  record = tpu_schedule.scheduler_entry(totals, entry.group(1) if entry else None)
+  if record is None:
+    return None
+  return record.cycles + tpu_schedule.scheduler_loop_cycles(totals, schedule)
+
+
+def table(results: list) -> str:
+  lines = ["| config | chips | mesh fsdp x tensor | published MFU | alpha-beta | routed-links "
+           "| libtpu LHS | compute only | residual (alpha-beta) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+  for r in results:
+    m = r["models"]
+    mesh = f"{r['mesh'].get('fsdp', 1)} x {r['mesh'].get('tensor', 1)}"
+
+    def pct(key):
+      return f"{m[key]['mfu']:.1f} %" if key in m else "—"
+    lines.append(f"| {r['program']} | {r['chips']} | {mesh} | {r['published_mfu']:.2f} % | "
+                 f"{pct('alpha-beta')} | {pct('routed-links')} | {pct('libtpu-lhs')} | "
+                 f"{r['compute_mfu']:.1f} % | "
+                 f"{m['alpha-beta']['mfu'] - r['published_mfu']:+.1f} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  unknown = [r for r in _ROWS.value if r not in BY_NAME]
+  if unknown:
+    raise app.UsageError(f"--rows: unknown {unknown}; known: {', '.join(BY_NAME)}")
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  if _WORKER.value:
+    compile_row(BY_NAME[_WORKER.value], _LAYERS.value, _OUT_DIR.value, _DENSE.value)
+    return
+  names = _ROWS.value or list(BY_NAME)
+  if not _ANALYZE.value:
+    for name in names:
+      began = time.perf_counter()
+      done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--worker={name}",
+                             f"--layers={_LAYERS.value}", f"--out_dir={_OUT_DIR.value}"]
+                            + (["--dense"] if _DENSE.value else []))
+      if done.returncode:
+        print(f"{name}: compile failed (exit {done.returncode}) after "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
+  results = []
+  for name in names:
+    if not os.path.exists(os.path.join(_OUT_DIR.value, name + ".meta.json")):
+      print(f"{name}: no compiled program in {_OUT_DIR.value}")
+    for program in (name, name + "_dense"):
+      if os.path.exists(os.path.join(_OUT_DIR.value, program + ".meta.json")):
+        results.append(analyze_row(program, _OUT_DIR.value))
+  with open(os.path.join(_OUT_DIR.value, "mfu.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print(table(results))
+
+
+if __name__ == "__main__":
+  app.run(main)
