@@ -44,7 +44,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 from meshslice.hlo import collective_stats  # noqa: E402
-from meshslice.rewrites import GemmGeometry, build_body  # noqa: E402
+from meshslice.rewrites import build_body, plain_gemm  # noqa: E402
 
 HIDDEN = flags.DEFINE_integer("hidden", 256, "hidden size H (GPT-3: 12288)")
 TOKENS = flags.DEFINE_integer("tokens", 1024, "tokens T = rows of X")
@@ -58,15 +58,9 @@ WARMUP = flags.DEFINE_integer("warmup", 2, "untimed calls per row after compilin
 # (K, N) of each site in units of H.
 SITE_SHAPES = {"qkv": (1, 3), "attn_out": (1, 1), "mlp_up": (1, 4), "mlp_down": (4, 1)}
 
-# Layouts of Y[M, N] = X[M, K] . W[K, N] (geometry.py's table), and what is communicated:
-# (lhs spec, rhs spec, GemmGeometry fields, name of the communicated extent).
-LAYOUTS = {
-    "os": (P("x", "y"), P("x", "y"), dict(lhs_dim=1, rhs_dim=0, out_dim=None), "K"),
-    "ls": (P("x", "y"), P("y", "x"), dict(lhs_dim=None, rhs_dim=1, out_dim=1), "N"),
-    "rs": (P("y", "x"), P("x", "y"), dict(lhs_dim=0, rhs_dim=None, out_dim=0), "M"),
-}
+# Y[M, N] = X[M, K] . W[K, N] is laid out per dataflow by `rewrites.plain_gemm`
+# (geometry.py's table); the output is always P(x, y).
 OUT_SPEC = P("x", "y")
-DN = (((1,), (0,)), ((), ()))
 
 
 def variants(ksplits):
@@ -119,17 +113,15 @@ def run_site(shape, site, dataflow, hidden, tokens, ksplits, warmup, repeats):
   mesh = _mesh(shape)
   k_mult, n_mult = SITE_SHAPES[site]
   dims = {"M": tokens, "K": k_mult * hidden, "N": n_mult * hidden}
-  lhs_spec, rhs_spec, fields, extent = LAYOUTS[dataflow]
+  geometry, lhs_axes, rhs_axes = plain_gemm(dataflow, dims["M"], dims["K"], dims["N"],
+                                            shape[0], shape[1], jnp.dtype(jnp.float32))
+  lhs_spec, rhs_spec = P(*lhs_axes), P(*rhs_axes)
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (dims["M"], dims["K"]), jnp.float32)
   w = jax.random.normal(kw, (dims["K"], dims["N"]), jnp.float32)
   ref = np.asarray(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))
   args = (jax.device_put(x, NamedSharding(mesh, lhs_spec)),
           jax.device_put(w, NamedSharding(mesh, rhs_spec)))
-  geometry = GemmGeometry(dimension_numbers=DN, dataflow=dataflow, row_axis="x",
-                          col_axis="y", row_size=shape[0], col_size=shape[1],
-                          global_extent=dims[extent], out_dtype=jnp.dtype(jnp.float32),
-                          **fields)
   base = dict(mesh=f"{shape[0]}x{shape[1]}", site=site, dataflow=dataflow)
   plain = jax.jit(lambda a, b: a @ b, in_shardings=tuple(a.sharding for a in args),
                   out_shardings=NamedSharding(mesh, OUT_SPEC))

@@ -38,26 +38,12 @@ _WORKER = flags.DEFINE_enum("worker", None, ["default", "dense"],
                             "internal: compile under this flag set and print JSON lines")
 _OUT = flags.DEFINE_string("out", None, "also write the records as JSON lines here")
 
-# (lhs spec, rhs spec) of X[M, K] @ W[K, N] per dataflow; the output is always P(x, y).
-SPECS = {"os": (("x", "y"), ("x", "y")), "ls": (("x", "y"), ("y", "x")),
-         "rs": (("y", "x"), ("x", "y"))}
-
 
 def _gemms():
   for item in _GEMMS.value:
     flow, _, dims = item.partition(":")
     m, k, n = (int(v) for v in dims.split("x"))
     yield flow, m, k, n
-
-
-def _geometry(flow, m, k, n, rows, cols, dtype):
-  from meshslice.rewrites import GemmGeometry
-  dims = {"os": dict(lhs_dim=1, rhs_dim=0, out_dim=None, global_extent=k),
-          "ls": dict(lhs_dim=None, rhs_dim=1, out_dim=1, global_extent=n),
-          "rs": dict(lhs_dim=0, rhs_dim=None, out_dim=0, global_extent=m)}[flow]
-  return GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow=flow,
-                      row_axis="x", col_axis="y", row_size=rows, col_size=cols,
-                      out_dtype=dtype, **dims)
 
 
 def compile_and_simulate(flag_set: str) -> list[dict]:
@@ -71,7 +57,7 @@ def compile_and_simulate(flag_set: str) -> list[dict]:
 
   from meshslice.costmodel import load_profile, profile_for_mesh
   from meshslice.costmodel import tpu_schedule as ts
-  from meshslice.rewrites import build_body
+  from meshslice.rewrites import build_body, plain_gemm
 
   rows, cols = (int(v) for v in _MESH.value.split("x"))
   mesh = aot.make_mesh(_TOPOLOGY.value, (rows, cols))
@@ -81,13 +67,15 @@ def compile_and_simulate(flag_set: str) -> list[dict]:
   out = NamedSharding(mesh, P("x", "y"))
   records = []
   for flow, m, k, n in _gemms():
-    specs = tuple(P(*s) for s in SPECS[flow])
+    # X[M, K] @ W[K, N] laid out for the dataflow; the output is always P(x, y)
+    geometry, lhs_axes, rhs_axes = plain_gemm(flow, m, k, n, rows, cols, dtype)
+    specs = (P(*lhs_axes), P(*rhs_axes))
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
             for shape, s in zip(((m, k), (k, n)), specs)]
     if flag_set == "dense":
       programs = {"xla-dense": jax.jit(lambda a, b: a @ b, out_shardings=out)}
     else:
-      body = build_body("collective", _geometry(flow, m, k, n, rows, cols, dtype), 1)
+      body = build_body("collective", geometry, 1)
       programs = {"xla-default": jax.jit(lambda a, b: a @ b, out_shardings=out),
                   "collective": jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
                                                       out_specs=P("x", "y")),

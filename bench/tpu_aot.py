@@ -3,7 +3,7 @@ windowed einsum on, the default), dense (windowed einsum off) and meshslice's de
 plan, compiled ahead of time for TPU pods on this machine (libtpu, no TPU needed; see
 meshslice.aot) and read with meshslice.costmodel.tpu_schedule.
 
-The step is meshslice.demo's (layernorm, attention, MLP; fwd + bwd + SGD; lax.scan over
+The step is meshslice.gpt's (layernorm, attention, MLP; fwd + bwd + SGD; lax.scan over
 jax.checkpoint-ed layers), at GPT-3 (hidden 12288, 96 heads) or Megatron-NLG (20480,
 160 heads) size, sequence 2048, one sequence per chip, bfloat16, --layers layers. Each
 (model, chips) runs on the mesh shape the cost model recommends (`python -m meshslice
@@ -115,9 +115,7 @@ def _worker(spec: dict) -> dict:
     with jax.set_mesh(mesh):
       report = fn.explain(params, data)
     record["rewritten_sites"] = len(report.rewritten)
-    record["plans"] = sorted({f"{s.algorithm} {s.dataflow} S={s.ksplit}"
-                              + (f" rs={s.reduce_scatter}" if s.reduce_scatter else "")
-                              for s in report.rewritten})
+    record["plans"] = list(report.plan_counts(reduce_scatter=True))
   import contextlib
   from meshslice.costmodel import tpu_schedule
   log = tpu_schedule.capture_stderr() if spec.get("scheduler_log") else None

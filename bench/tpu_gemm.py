@@ -29,16 +29,6 @@ _WORKER = flags.DEFINE_enum("worker", None, ["dense", "async"],
                             "internal: compile under this flag set and print JSON lines")
 _OUT = flags.DEFINE_string("out", None, "also write the records as JSON lines here")
 
-_SPECS = {"os": (("x", "y"), ("x", "y")), "ls": (("x", "y"), ("y", "x")),
-          "rs": (("y", "x"), ("x", "y"))}
-
-
-def _geometry_dims(dataflow, m, k, n):
-  return {"os": dict(lhs_dim=1, rhs_dim=0, out_dim=None, global_extent=k),
-          "ls": dict(lhs_dim=None, rhs_dim=1, out_dim=1, global_extent=n),
-          "rs": dict(lhs_dim=0, rhs_dim=None, out_dim=0, global_extent=m)}[dataflow]
-
-
 def compile_variants(flag_set: str) -> list[dict]:
   """Compile, in this process, every variant that `flag_set` is used for."""
   from meshslice import aot
@@ -50,7 +40,7 @@ def compile_variants(flag_set: str) -> list[dict]:
   from jax.sharding import PartitionSpec as P
 
   from meshslice.costmodel import tpu_schedule as ts
-  from meshslice.rewrites import GemmGeometry, build_body
+  from meshslice.rewrites import build_body, plain_gemm
 
   jax.config.update("jax_platforms", "cpu")
   rows, cols = (int(v) for v in _MESH.value.split("x"))
@@ -60,7 +50,8 @@ def compile_variants(flag_set: str) -> list[dict]:
   out_sharding = NamedSharding(mesh, P("x", "y"))
   records = []
   for dataflow in _DATAFLOWS.value:
-    specs = tuple(P(*s) for s in _SPECS[dataflow])
+    geometry, lhs_axes, rhs_axes = plain_gemm(dataflow, m, k, n, rows, cols, dtype)
+    specs = (P(*lhs_axes), P(*rhs_axes))
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
             for shape, s in zip(((m, k), (k, n)), specs)]
     programs = {}
@@ -68,9 +59,6 @@ def compile_variants(flag_set: str) -> list[dict]:
       programs["dense"] = jax.jit(lambda a, b: a @ b, out_shardings=out_sharding)
     else:
       for ksplit in (int(s) for s in _KSPLITS.value):
-        geometry = GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow=dataflow,
-                                row_axis="x", col_axis="y", row_size=rows, col_size=cols,
-                                out_dtype=dtype, **_geometry_dims(dataflow, m, k, n))
         body = build_body("meshslice", geometry, ksplit)
         programs[f"meshslice S={ksplit}"] = jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x", "y")),

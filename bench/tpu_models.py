@@ -98,8 +98,8 @@ def plans(step, params, data, mesh, profile: str) -> dict:
   base_options = tune_module.CANDIDATES[request.base]
   with jax.set_mesh(mesh):
     report = meshslice.transform(step, profile=profile, **base_options).explain(params, data)
-  plan = tune_module._frozen(report)
-  sliced = tune_module._sliced(report, plan, request)
+  plan = tune_module.frozen_plan(report)
+  sliced = tune_module.sliced_plan(report, plan, request)
   if sliced is None:
     print(f"tuned: no {request.dataflow} site of {request.base!r} slices at ksplit "
           f"{request.ksplit}: the tuned program is its base plan")
@@ -112,12 +112,8 @@ def describe(fn, params, data, mesh) -> list:
   import jax
   with jax.set_mesh(mesh):
     report = fn.explain(params, data)
-  counts = {}
-  for s in report.rewritten:
-    key = (f"{s.algorithm} {s.dataflow} S={s.ksplit}"
-           + (f" rs={s.reduce_scatter}" if getattr(s, "reduce_scatter", None) else ""))
-    counts[key] = counts.get(key, 0) + 1
-  return [f"{n}x {k}" for k, n in sorted(counts.items())] + [
+  counts = report.plan_counts(reduce_scatter=True)
+  return [f"{n}x {k}" for k, n in counts.items()] + [
       f"{len(report.sites) - len(report.rewritten)} left to XLA"]
 
 

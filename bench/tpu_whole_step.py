@@ -118,11 +118,7 @@ def exposure(records: dict, top: int) -> str:
 
 
 def decisions(report) -> str:
-  counts: dict = {}
-  for s in report.rewritten:
-    key = f"{s.algorithm} {s.dataflow} S={s.ksplit}"
-    counts[key] = counts.get(key, 0) + 1
-  return ", ".join(f"{n}x {k}" for k, n in sorted(counts.items()))
+  return ", ".join(f"{n}x {k}" for k, n in report.plan_counts().items())
 
 
 def main(argv):

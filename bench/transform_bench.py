@@ -39,8 +39,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import meshslice  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from meshslice.demo import (ModelConfig, batch_specs, make_mesh, make_step,  # noqa: E402
-                            param_specs, place)
+from meshslice.gpt import (ModelConfig, batch_specs, make_mesh, make_step,  # noqa: E402
+                           param_specs, place)
 from meshslice.gpt import block as _block  # noqa: E402
 from meshslice.hlo import collective_stats  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A GPT-style training step as plain `jax.jit` and transformed by meshslice with each
 algorithm: measured step time, predicted time, collective bytes and temp memory.
 
-The step is `meshslice.demo`'s (layernorm, attention, MLP, `lax.scan` over
+The step is `meshslice.gpt`'s (layernorm, attention, MLP, `lax.scan` over
 `jax.checkpoint`-ed layers, MSE loss, SGD), 2D-sharded over mesh axes ("x", "y"):
 activations [batch:x, seq, hidden:y], weights [in:x, out:y]. With --data > 1 a
 data-parallel axis "data" goes in front and activations become
@@ -18,10 +18,11 @@ One JSON record per variant (--out, JSON lines):
 
   step_s                 median wall time of one step after --warmup steps (each step
                          blocked on with block_until_ready), plus mean and min
-  predicted_step_s       the cost model's time of the rewritten matmuls in one step: the
-                         sum over report.rewritten of site.predicted_seconds, each site
-                         multiplied by how often it runs (a site inside the layer scan is
-                         listed once in the report but runs once per layer). Only the
+  predicted_step_s       the cost model's time of the rewritten matmuls in one step
+                         (report.predicted_step_seconds): the sum over report.rewritten of
+                         site.predicted_seconds, each site multiplied by how often it runs
+                         (site.runs: a site inside the layer scan is listed once in the
+                         report but runs once per layer). Only the
                          rewritten matmuls: attention score matmuls, elementwise work and
                          the optimizer are not modelled. For "jit" it is the same sum with
                          the collective algorithm (what GSPMD emits).
@@ -43,7 +44,6 @@ See docs/benchmarks-log.md for TPU pods and GPU clusters.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import statistics
@@ -100,68 +100,32 @@ def build(cfg, shape, data=1) -> Setup:
   """The demo step on a (data, R, C) mesh ("data" only when data > 1).
 
   Example:
-    >>> from meshslice.demo import ModelConfig
+    >>> from meshslice.gpt import ModelConfig
     >>> s = build(ModelConfig(layers=1, hidden=32, heads=2, ffn=64, seq=8, batch=4),
     ...           (2, 2), data=2)                                    # doctest: +SKIP
     >>> dict(s.mesh.shape)                                           # doctest: +SKIP
     {'data': 2, 'x': 2, 'y': 2}
   """
-  from meshslice import demo
+  from meshslice import gpt
   if data == 1:
-    mesh = demo.make_mesh(shape)
-    params, batch = demo.place(cfg, mesh)
-    return Setup(cfg=cfg, mesh=mesh, step=demo.make_step(cfg, mesh), params=params,
+    mesh = gpt.make_mesh(shape)
+    params, batch = gpt.place(cfg, mesh)
+    return Setup(cfg=cfg, mesh=mesh, step=gpt.make_step(cfg, mesh), params=params,
                  batch=batch)
   n = data * shape[0] * shape[1]
   mesh = jax.make_mesh((data,) + tuple(shape), ("data", "x", "y"),
                        axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:n])
   # weights as in the demo; tokens split over data (batch) and x (sequence), since the
   # pass handles one mesh axis per matmul dim
-  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), demo.param_specs("x", "y"))
+  ps = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.param_specs("x", "y"))
   bs = jax.tree.map(lambda s: NamedSharding(mesh, s),
                     {"x": P("data", "x", "y"), "y": P("data", "x", "y")})
-  step = jax.jit(lambda p, b: demo.train_step(cfg, p, b), in_shardings=(ps, bs),
+  step = jax.jit(lambda p, b: gpt.train_step(cfg, p, b), in_shardings=(ps, bs),
                  out_shardings=(ps, NamedSharding(mesh, P())), donate_argnums=(0,))
   kp, kb = jax.random.split(jax.random.key(0))
-  params = jax.tree.map(jax.device_put, demo.init_params(cfg, kp), ps)
-  batch = jax.tree.map(jax.device_put, demo.init_batch(cfg, kb), bs)
+  params = jax.tree.map(jax.device_put, gpt.init_params(cfg, kp), ps)
+  batch = jax.tree.map(jax.device_put, gpt.init_batch(cfg, kb), bs)
   return Setup(cfg=cfg, mesh=mesh, step=step, params=params, batch=batch)
-
-
-def site_multiplicity(closed, path) -> tuple[int, str]:
-  """How often the dot_general at `path` runs per call: the product of the lengths of
-  the scans around it (while loops: unknown, counted once, with a note).
-
-  Example:
-    >>> closed = jax.make_jaxpr(lambda x: jax.lax.scan(
-    ...     lambda c, _: (c @ c, None), x, None, length=3)[0])(jnp.ones((2, 2)))
-    >>> site_multiplicity(closed, ((0, "jaxpr", 0), 0))
-    (3, '')
-  """
-  from meshslice.analysis import sub_jaxprs
-  jaxpr = closed.jaxpr
-  times, note = 1, ""
-  for step in path[:-1]:
-    index, param, branch = step
-    eqn = jaxpr.eqns[index]
-    if eqn.primitive.name == "scan":
-      times *= int(eqn.params["length"])
-    elif eqn.primitive.name == "while":
-      note = "inside a while loop: counted once"
-    jaxpr = dict(sub_jaxprs(eqn))[(param, branch)]
-  return times, note
-
-
-def predicted(report, closed, attr="predicted_seconds") -> float:
-  """Sum of `attr` over the rewritten sites, each times how often it runs."""
-  return float(sum((getattr(s, attr) or 0.0) * site_multiplicity(closed, s.path)[0]
-                   for s in report.rewritten))
-
-
-def _plans(report) -> dict:
-  count = collections.Counter(f"{s.algorithm} {s.dataflow} S={s.ksplit}"
-                              for s in report.rewritten)
-  return dict(sorted(count.items()))
 
 
 def measure(setup: Setup, fn, *, steps, warmup, trace_dir=None, label="") -> dict:
@@ -224,7 +188,6 @@ def run(setup: Setup, *, algorithms, profile, max_ksplit=4, steps=10, warmup=2,
   import meshslice
   from meshslice.costmodel import load_profile
   profile_name = load_profile(profile).name
-  closed = setup.step.trace(setup.params, setup.batch).jaxpr
   device = jax.devices()[0]
   common = {"bench": "transformer", "config": dataclasses.asdict(setup.cfg),
             "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
@@ -242,22 +205,22 @@ def run(setup: Setup, *, algorithms, profile, max_ksplit=4, steps=10, warmup=2,
   for label, options in variants:
     if options is None:
       fn, report = setup.step, base_report
-      pred = predicted(report, closed, "baseline_seconds")
+      pred = float(report.baseline_step_seconds)
       extra = {"algorithm": None, "ksplit": None, "sites": len(report.sites), "rewritten": 0,
                "plans": {}, "predicted_sites_s": float(report.baseline_seconds), "notes": []}
     else:
       opts = dict(options, profile=profile, max_ksplit=max_ksplit)
       fn = meshslice.transform(setup.step, **opts)
       report = fn.explain(setup.params, setup.batch)
-      pred = predicted(report, closed)
+      pred = float(report.predicted_step_seconds)
       extra = {"algorithm": options.get("algorithm"), "ksplit": options.get("ksplit"),
                "sites": len(report.sites),
-               "rewritten": len(report.rewritten), "plans": _plans(report),
+               "rewritten": len(report.rewritten), "plans": report.plan_counts(),
                "predicted_sites_s": float(report.predicted_seconds),
                "notes": sorted({s.note for s in report.rewritten if s.note})}
     figures = measure(setup, fn, steps=steps, warmup=warmup, trace_dir=trace_dir, label=label)
     record = {**common, "variant": label, **extra, "predicted_step_s": pred,
-              "predicted_collective_step_s": predicted(report, closed, "baseline_seconds"),
+              "predicted_collective_step_s": float(report.baseline_step_seconds),
               **figures}
     records.append(record)
     if echo:
@@ -287,7 +250,7 @@ def render(records) -> str:
 def main(argv):
   del argv
   cluster.start()
-  from meshslice.demo import ModelConfig
+  from meshslice.gpt import ModelConfig
   shape = tuple(int(v) for v in _MESH.value.lower().split("x"))
   cfg = ModelConfig(layers=_LAYERS.value, batch=_BATCH.value, seq=_SEQ.value,
                     hidden=_HIDDEN.value, heads=_HEADS.value,

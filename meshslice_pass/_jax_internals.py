@@ -14,8 +14,8 @@ them and that no other module imports `jax._src`.
 The structure of equations is read here too, so that the pass's three interpreters
 (analysis, emission, the unsharded reference) never spell it out: `HIGHER_ORDER`, the
 one table of the higher-order primitives and where their sub-jaxprs are, with
-`sub_jaxprs`, `scan_counts` and `while_counts`; `bind`, `eqn_context`, `eqn_name_stack`
-and `is_literal`.
+`sub_jaxprs`, `scan_counts`, `scan_length` and `while_counts`; `bind`, `eqn_context`,
+`eqn_name_stack` and `is_literal`.
 """
 from __future__ import annotations
 
@@ -411,6 +411,15 @@ HIGHER_ORDER = {
 def higher_order(eqn) -> HigherOrder | None:
   """`HIGHER_ORDER`'s entry for `eqn`'s primitive (None: a first-order primitive)."""
   return HIGHER_ORDER.get(eqn.primitive.name)
+
+
+def scan_length(eqn) -> int | None:
+  """How many times a scan equation runs its body (its `length`); None for any other
+  equation (a while loop's trip count is not in the program)."""
+  h = higher_order(eqn)
+  if h is None or h.kind != "scan":
+    return None
+  return int(eqn.params["length"])
 
 
 def traversed_names(kind: str) -> tuple:

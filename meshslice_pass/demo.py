@@ -6,8 +6,8 @@ on abstract inputs (nothing is allocated) and show what the cost model predicts 
 and check every number against the untransformed step.
 
 The model's names (ModelConfig, GPT3_LAYER, make_step, place, ...) are re-exported here
-from meshslice.gpt, where they live, for the benches, tests and examples that import them
-from `meshslice.demo`.
+from meshslice.gpt, where they live, for code that imports them from `meshslice.demo`;
+the project's benches, tests and examples import `meshslice.gpt`.
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ from .gpt import make_step as make_step
 from .gpt import param_specs as param_specs
 from .gpt import place as place
 from .gpt import train_step as train_step
-# the old private names (bench/transform_bench.py imported `_block`)
-from .gpt import _result_layout as _result_layout  # noqa: F401
+# the old private names (bench/transform_bench.py imported `_block`). To be removed:
+# nothing in the project reads them any more; import meshslice.gpt's public names
+# (result_layout, block, layernorm) instead.
+from .gpt import result_layout as _result_layout  # noqa: F401
 from .gpt import block as _block  # noqa: F401
 from .gpt import layernorm as _layernorm  # noqa: F401
 from .transform import explain, transform
@@ -46,16 +48,13 @@ def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
   mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), ("x", "y"),
                                    axis_types=(AxisType.Auto,) * 2)
   report = explain(make_step(cfg, mesh), **options)(*abstract_inputs(cfg, mesh))
-  plans = {}
-  for s in report.rewritten:
-    key = f"{s.algorithm} {s.dataflow} S={s.ksplit}"
-    plans[key] = plans.get(key, 0) + 1
+  plans = report.plan_counts()
   chips = int(np.prod(mesh_shape))
   echo(f"part 1 -- plan for the real target: one GPT-3 layer (hidden {cfg.hidden}, ffn "
        f"{cfg.ffn}, {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}), fwd + bwd, on {chips} "
        f"chips as a {mesh_shape[0]}x{mesh_shape[1]} mesh, profile {report.profile}")
   echo(f"  {len(report.rewritten)} of {len(report.sites)} matmuls planned: "
-       + ", ".join(f"{n} x {k}" for k, n in sorted(plans.items()))
+       + ", ".join(f"{n} x {k}" for k, n in plans.items())
        + f"; {len(report.left_alone)} left alone (attention einsums: nothing to "
          "communicate)")
   gain = report.baseline_seconds / report.predicted_seconds if report.predicted_seconds else 1

@@ -75,9 +75,10 @@ def layernorm(x, scale):
   return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * scale
 
 
-def _result_layout():
-  """On an Explicit mesh the 2D result layout of x @ w must be spelled out; on an Auto
-  mesh GSPMD (and meshslice's analysis) work it out."""
+def result_layout():
+  """The `out_sharding` of the model's x @ w: on an Explicit mesh the 2D result layout
+  must be spelled out; on an Auto mesh (None) GSPMD (and meshslice's analysis) work it
+  out."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.axis_names and AxisType.Explicit in mesh.axis_types:
     row, col = mesh.axis_names[-2:]
@@ -90,7 +91,7 @@ def block(cfg: ModelConfig, x, layer):
   `layer`: one layer's slice of `init_params`."""
   b, s, h = x.shape
   n = cfg.heads
-  out = _result_layout()
+  out = result_layout()
   hn = layernorm(x, layer["ln1"])
   q = jnp.matmul(hn, layer["wq"], out_sharding=out).reshape(b, s, n, h // n)
   k = jnp.matmul(hn, layer["wk"], out_sharding=out).reshape(b, s, n, h // n)

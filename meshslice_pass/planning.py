@@ -38,7 +38,7 @@ from . import matching
 from . import pins
 from . import specs as S
 from .errors import PinError
-from ._jax_internals import eqn_name_stack, is_literal, sub_jaxprs
+from ._jax_internals import eqn_name_stack, is_literal, scan_length, sub_jaxprs
 from .provenance import module_path, name_stack, source_location
 
 
@@ -47,7 +47,9 @@ class Site:
   """One dot_general the pass looked at, and what it decided.
 
   `path` locates the equation: indices into nested jaxprs, e.g.
-  ((3, "jaxpr", 0), (12, "jaxpr", 0), 5) is eqn 5 of the body of eqn 12 of eqn 3.
+  ((3, "jaxpr", 0), (12, "jaxpr", 0), 5) is eqn 5 of the body of eqn 12 of eqn 3;
+  `runs` is how often it runs per call: the product of the lengths of the scans around
+  it (a while loop's body counts once).
   `source` is the innermost 'file:line' of the user's code (library frames skipped, the
   file relative to the project: see `provenance.portable_path`); `module` the module
   path from the JAX name stack, e.g. 'Model/MlpBlock_0/Dense_1' (`module_path`).
@@ -88,6 +90,8 @@ class Site:
   problem: object = dataclasses.field(default=None, repr=False, compare=False)
   # the hardware profile the site was priced with (`costing.site_profile`)
   profile: object = dataclasses.field(default=None, repr=False, compare=False)
+  # how often the site runs per call: the product of its enclosing scans' lengths
+  runs: int = dataclasses.field(default=1, repr=False, compare=False)
 
   @property
   def label(self) -> str:
@@ -140,7 +144,7 @@ def _judge_pins(sites, ctx) -> tuple:
                for s in sites)
 
 
-def _walk(jaxpr, analysis, ctx, prefix, context, sites):
+def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
   consumers = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
@@ -155,13 +159,15 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites):
       param = ctx.param_names.of_site(prefix, jaxpr, eqn) if ctx.param_names else ""
       site = _plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites),
                         transposed_by, param)
-      sites.append(_with_layout_hint(site, jaxpr, eqn, analysis))
+      site = _with_layout_hint(site, jaxpr, eqn, analysis)
+      # sites planned once and shared (ctx.decided) may run a different number of times
+      sites.append(site if site.runs == runs else dataclasses.replace(site, runs=runs))
       continue
     for (param, branch), sub in sub_jaxprs(eqn):
       child = analysis.children.get((i, param, branch)) if analysis else None
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
-                        eqn_name_stack(eqn))], sites)
+                        eqn_name_stack(eqn))], sites, runs * (scan_length(eqn) or 1))
 
 
 def _with_layout_hint(site, jaxpr, eqn, analysis):

@@ -54,6 +54,23 @@ class Report:
     largest group first (ties in program order)."""
     return reason_groups(self.left_alone)
 
+  def plan_counts(self, reduce_scatter: bool = False) -> dict:
+    """How many rewritten sites got each plan: {"<algorithm> <dataflow> S=<ksplit>":
+    count}, in key order. With `reduce_scatter`, a site whose reduce-scatter is not one
+    collective has its form in the key too (" rs=all_to_all").
+
+    Example:
+      >>> report.plan_counts()                                  # doctest: +SKIP
+      {'collective os S=1': 11, 'meshslice rs S=2': 6}
+    """
+    counts: dict = {}
+    for s in self.rewritten:
+      key = f"{s.algorithm} {s.dataflow} S={s.ksplit}"
+      if reduce_scatter and getattr(s, "reduce_scatter", None):
+        key += f" rs={s.reduce_scatter}"
+      counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
   def summary(self) -> str:
     """One line: how many matmuls are sliced, plain collective, left alone (and why)."""
     alone = self.left_alone
@@ -91,6 +108,19 @@ class Report:
   def baseline_seconds(self) -> float:
     """Predicted time of the same sites with the collective algorithm."""
     return sum(s.baseline_seconds or 0.0 for s in self.rewritten)
+
+  @property
+  def predicted_step_seconds(self) -> float:
+    """Predicted time of the rewritten sites in one call of the step: each site's
+    predicted time times how often it runs (`Site.runs`: a site inside a scan over the
+    layers is listed once but runs once per layer; a while loop counts once). Only the
+    rewritten matmuls: nothing else of the step is priced."""
+    return sum((s.predicted_seconds or 0.0) * _runs(s) for s in self.rewritten)
+
+  @property
+  def baseline_step_seconds(self) -> float:
+    """`predicted_step_seconds` of the same sites with the collective algorithm."""
+    return sum((s.baseline_seconds or 0.0) * _runs(s) for s in self.rewritten)
 
   def __str__(self) -> str:
     # size-1 axes (MaxText's mesh has ten of them) shard nothing: named only by count
@@ -139,6 +169,11 @@ class Report:
         lines.append(f"  {len(indexes)} x {label}: sites {_ranges(indexes)}"
                      + (f" (e.g. {example})" if example != label else ""))
     return "\n".join(lines)
+
+
+def _runs(site) -> int:
+  """How often `site` runs per call (`Site.runs`; 1 for a site that does not say)."""
+  return getattr(site, "runs", 1) or 1
 
 
 def _why(site) -> str:

@@ -267,7 +267,7 @@ def llama_block(cfg: WholeConfig, x, layer):
   n // (heads / kv_heads)) with RoPE, residual; RMSNorm, SwiGLU MLP, residual."""
   b, s, h = x.shape
   n, kv, d = cfg.heads, cfg.kv, cfg.head_dim
-  out = gpt._result_layout()
+  out = gpt.result_layout()
   mm = lambda a, w: jnp.matmul(a, w, out_sharding=out)
   hn = rmsnorm(x, layer["ln1"])
   q = rope(mm(hn, layer["wq"]).reshape(b, s, kv, n // kv, d), cfg.rope_theta)
@@ -313,7 +313,7 @@ def loss_fn(cfg: WholeConfig, mesh, params, batch):
   row, col = mesh.axis_names[-2:]
   act = _layout(mesh, P(row, None, col))
   dtype = jnp.dtype(cfg.dtype)
-  out = gpt._result_layout()
+  out = gpt.result_layout()
   x = jnp.matmul(_one_hot(batch["tokens"], cfg.vocab, dtype, act), params["embed"],
                  out_sharding=out)
   if "pos_embed" in params:

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from . import cannon, oned, summa, wang
 from .cannon import build_cannon
-from .geometry import DATAFLOWS, ONED_KINDS, GemmGeometry, OneDGeometry, extent_reason
+from .geometry import (DATAFLOWS, ONED_KINDS, GemmGeometry, OneDGeometry, extent_reason,
+                       plain_gemm)
 from .meshslice import build_collective, build_meshslice
 from .oned import build_oned_collective, build_oned_ring, build_oned_sliced
 from .slicing import assemble_slices, take_slice
@@ -148,4 +149,5 @@ def build_body(algorithm: str, geometry, ksplit: int = 1, **options):
 __all__ = ["ALGORITHMS", "DATAFLOWS", "GemmGeometry", "ONED_KINDS", "OneDGeometry",
            "assemble_slices", "build_body", "build_cannon", "build_collective",
            "build_meshslice", "build_oned_collective", "build_oned_ring",
-           "build_oned_sliced", "build_summa", "build_wang", "supports", "take_slice"]
+           "build_oned_sliced", "build_summa", "build_wang", "plain_gemm", "supports",
+           "take_slice"]

@@ -242,6 +242,48 @@ class OneDGeometry(_Slicing):
     return self.axis_size
 
 
+def plain_gemm(dataflow: str, m: int, k: int, n: int, rows: int, cols: int, dtype,
+               axes: tuple[str, str] = ("x", "y")) -> tuple[GemmGeometry, tuple, tuple]:
+  """The plain GEMM Y[M, N] = X[M, K] . W[K, N] on an R x C mesh, laid out for `dataflow`
+  (the module docstring's table): its `GemmGeometry` and the mesh axes of each operand's
+  two dims, (lhs_axes, rhs_axes), for the shard_map's in_specs (`PartitionSpec(*axes)`).
+  The output is laid out as `axes` (M over the row axis, N over the column axis) in all
+  three dataflows.
+
+  Args:
+    dataflow: "os", "ls" or "rs".
+    m, k, n: the global sizes.
+    rows, cols: the sizes R and C of the row and column mesh axes.
+    dtype: the result's dtype (`GemmGeometry.out_dtype`).
+    axes: the names of the row and column mesh axes.
+
+  Example:
+    >>> g, lhs_axes, rhs_axes = plain_gemm("ls", 64, 32, 128, 2, 4, "float32")
+    >>> lhs_axes, rhs_axes, g.rhs_dim, g.out_dim, g.global_extent
+    (('x', 'y'), ('y', 'x'), 1, 1, 128)
+  """
+  row, col = axes
+  lhs_dim: int | None
+  rhs_dim: int | None
+  out_dim: int | None
+  if dataflow == "os":
+    lhs_dim, rhs_dim, out_dim, extent = 1, 0, None, k
+    lhs_axes, rhs_axes = (row, col), (row, col)
+  elif dataflow == "ls":
+    lhs_dim, rhs_dim, out_dim, extent = None, 1, 1, n
+    lhs_axes, rhs_axes = (row, col), (col, row)
+  elif dataflow == "rs":
+    lhs_dim, rhs_dim, out_dim, extent = 0, None, 0, m
+    lhs_axes, rhs_axes = (col, row), (row, col)
+  else:
+    raise ValueError(f"dataflow must be one of {DATAFLOWS}, got {dataflow!r}")
+  geometry = GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow=dataflow,
+                          row_axis=row, col_axis=col, row_size=rows, col_size=cols,
+                          lhs_dim=lhs_dim, rhs_dim=rhs_dim, out_dim=out_dim,
+                          global_extent=extent, out_dtype=dtype)
+  return geometry, lhs_axes, rhs_axes
+
+
 def extent_reason(geometry) -> str:
   """Why the communicated extent cannot be laid out on the mesh, or "" if it can.
 

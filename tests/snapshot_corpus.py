@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import meshslice  # noqa: E402
-from meshslice import demo  # noqa: E402
+from meshslice import demo, gpt  # noqa: E402
 
 _OWN_SOURCE = re.compile(r"meshslice_pass/[A-Za-z_]+\.py:\d+")
 N_DOT_SEEDS = 40
@@ -82,10 +82,10 @@ class Writer:
 
 
 def demo_cases(w: Writer):
-  cfg = demo.ModelConfig()
-  mesh = demo.make_mesh((2, 4))
-  params, batch = demo.abstract_inputs(cfg, mesh)
-  step = demo.make_step(cfg, mesh)
+  cfg = gpt.ModelConfig()
+  mesh = gpt.make_mesh((2, 4))
+  params, batch = gpt.abstract_inputs(cfg, mesh)
+  step = gpt.make_step(cfg, mesh)
   w.case("demo_default", meshslice.transform(step), params, batch)
   for algorithm, ksplit in (("meshslice", 2), ("collective", None), ("cannon", None),
                             ("wang", None), ("summa", 2)):
@@ -93,7 +93,7 @@ def demo_cases(w: Writer):
     if ksplit:
       opts["ksplit"] = ksplit
     w.case(f"demo_{algorithm}", meshslice.transform(step, **opts), params, batch)
-  grad_step = demo.make_grad_step(cfg, mesh)
+  grad_step = gpt.make_grad_step(cfg, mesh)
   w.case("demo_grad_step", meshslice.transform(grad_step), params, batch)
 
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import demo
+from meshslice import gpt
 from meshslice.costmodel import calibrate
 from meshslice.costmodel import (GemmEfficiency, GemmProblem, load_profile, predict,
                                  save_profile)
@@ -75,10 +75,10 @@ def test_transformer_bench(tmp_path):
           > sum(coll["collective_counts"].values()))
 
   # the jit figures are those of the real compiled HLO of the same step
-  cfg = demo.ModelConfig(**TINY)
-  mesh = demo.make_mesh((2, 4))
-  params, batch = demo.place(cfg, mesh)
-  compiled = demo.make_step(cfg, mesh).lower(params, batch).compile()
+  cfg = gpt.ModelConfig(**TINY)
+  mesh = gpt.make_mesh((2, 4))
+  params, batch = gpt.place(cfg, mesh)
+  compiled = gpt.make_step(cfg, mesh).lower(params, batch).compile()
   assert jit["collective_bytes"] == collective_stats(compiled.as_text())["total_bytes"]
   assert jit["temp_bytes"] == compiled.memory_analysis().temp_size_in_bytes
 
@@ -158,7 +158,7 @@ def test_calibration_on_cpu_writes_a_profile_that_loads_and_round_trips(tmp_path
   assert len(data["gemms"]) == 4 and len(data["collectives"]) == 2 * 2 + 2 * 2 + 2 * 3
   assert {row["what"] for row in data["fits"]} >= {"gemm", "permute dim 1"}
   # the pass plans with it
-  mesh = demo.make_mesh((2, 4))
+  mesh = gpt.make_mesh((2, 4))
   f = jax.jit(lambda x, w: x @ w, in_shardings=(NamedSharding(mesh, P("x", "y")),) * 2,
               out_shardings=NamedSharding(mesh, P("x", "y")))
   x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("x", "y")))

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import meshslice
-from meshslice.demo import ModelConfig, make_grad_step, make_mesh, make_step, place
+from meshslice.gpt import ModelConfig, make_grad_step, make_mesh, make_step, place
 
 from helpers import assert_trees_close, collective_counts
 

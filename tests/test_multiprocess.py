@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 
 import meshslice
-from meshslice import demo
+from meshslice import gpt
 
 CONFIG = dict(layers=1, batch=4, seq=8, hidden=32, heads=2, ffn=64)
 OPTIONS = dict(algorithm="meshslice", ksplit=2, profile="tpu-v4")
@@ -33,12 +33,12 @@ WORKER = textwrap.dedent("""
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=process_id)
     import meshslice
-    from meshslice import demo
-    cfg = demo.ModelConfig(**json.loads(sys.argv[3]))
-    mesh = demo.make_mesh((2, 4))
-    step = demo.make_step(cfg, mesh, donate=False)
+    from meshslice import gpt
+    cfg = gpt.ModelConfig(**json.loads(sys.argv[3]))
+    mesh = gpt.make_mesh((2, 4))
+    step = gpt.make_step(cfg, mesh, donate=False)
     fast = meshslice.transform(step, **json.loads(sys.argv[4]))
-    params, batch = demo.place(cfg, mesh)
+    params, batch = gpt.place(cfg, mesh)
     plan = fast.explain(params, batch).plan.to_json()
     # the plan goes out before anything runs, so it is there even if the run fails
     print("PLAN " + json.dumps(plan), flush=True)
@@ -86,13 +86,13 @@ def test_two_processes_same_plan_and_loss_as_one(tmp_path):
     assert p.returncode == 0, f"worker failed ({p.returncode}):\n{out}\n{err[-3000:]}"
 
   # the single-process run: 8 devices in this process, same config, options, data
-  cfg = demo.ModelConfig(**CONFIG)
-  mesh = demo.make_mesh((2, 4))
-  step = demo.make_step(cfg, mesh, donate=False)
+  cfg = gpt.ModelConfig(**CONFIG)
+  mesh = gpt.make_mesh((2, 4))
+  step = gpt.make_step(cfg, mesh, donate=False)
   fast = meshslice.transform(step, **OPTIONS)
   # no jax.set_mesh here, as in the workers: outside a mesh context the traced step has
   # one more top-level equation (a reshard), which shifts site paths in the plan JSON
-  params, batch = demo.place(cfg, mesh)
+  params, batch = gpt.place(cfg, mesh)
   plan = fast.explain(params, batch).plan.to_json()
   _, loss = fast(params, batch)
 

@@ -118,9 +118,9 @@ def test_plans_are_identical_across_processes(tmp_path):
       import jax
       jax.config.update("jax_platforms", "cpu")
       import meshslice
-      from meshslice.demo import ModelConfig, make_mesh, make_step
+      from meshslice.gpt import ModelConfig, make_mesh, make_step
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from meshslice.demo import param_specs, batch_specs, init_params, init_batch
+      from meshslice.gpt import param_specs, batch_specs, init_params, init_batch
       cfg = ModelConfig(layers=1, batch=4, seq=16, hidden=64, heads=4, ffn=128)
       mesh = make_mesh((2, 4))
       abstract = lambda tree, specs: jax.tree.map(

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import demo
+from meshslice import gpt
 from meshslice.rewrites import scatter
 
 from helpers import assert_trees_close, mesh
@@ -43,9 +43,9 @@ def test_all_to_all_form_equals_psum_scatter(axis, dim):
 
 
 def _demo():
-  cfg = demo.ModelConfig()
-  m = demo.make_mesh((2, 4))
-  return cfg, m, demo.make_step(cfg, m, donate=False), demo.place(cfg, m)
+  cfg = gpt.ModelConfig()
+  m = gpt.make_mesh((2, 4))
+  return cfg, m, gpt.make_step(cfg, m, donate=False), gpt.place(cfg, m)
 
 
 @pytest.mark.parametrize("options", [{"algorithm": "collective"},
@@ -68,7 +68,7 @@ def test_all_to_all_sites_match_plain_jit_and_the_unsharded_run(options):
   new, old = fast(params, batch), step(params, batch)
   assert_trees_close(new, old)
   with jax.default_device(jax.devices()[0]):     # one device: no sharding at all
-    single = jax.jit(lambda p, b: demo.train_step(cfg, p, b))(
+    single = jax.jit(lambda p, b: gpt.train_step(cfg, p, b))(
         *jax.device_get((params, batch)))
   assert_trees_close(new, single)
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshslice.rewrites import GemmGeometry, assemble_slices, build_body, take_slice
+from meshslice.rewrites import (GemmGeometry, assemble_slices, build_body, plain_gemm,
+                                take_slice)
 
 from helpers import assert_trees_close, collective_counts, mesh
 
@@ -28,6 +29,33 @@ def _run(shape, dataflow, ksplit, algorithm="meshslice", dtype=jnp.float32):
   x = jax.random.normal(jax.random.key(0), (M, K), dtype)
   w = jax.random.normal(jax.random.key(1), (K, N), dtype)
   return f, x, w
+
+
+@pytest.mark.parametrize("dataflow", ["os", "ls", "rs"])
+def test_plain_gemm_lays_out_each_dataflow_as_the_table(dataflow):
+  specs, kw = LAYOUTS[dataflow]
+  dtype = jnp.dtype(jnp.float32)
+  geometry, lhs_axes, rhs_axes = plain_gemm(dataflow, M, K, N, 2, 4, dtype)
+  assert (P(*lhs_axes), P(*rhs_axes)) == specs
+  assert geometry == GemmGeometry(dimension_numbers=DN, dataflow=dataflow, row_axis="x",
+                                  col_axis="y", row_size=2, col_size=4, out_dtype=dtype, **kw)
+  # other axis names: the same layout over them
+  renamed, lhs2, rhs2 = plain_gemm(dataflow, M, K, N, 2, 4, dtype, axes=("r", "c"))
+  names = {"x": "r", "y": "c"}
+  assert (lhs2, rhs2) == (tuple(names[a] for a in lhs_axes), tuple(names[a] for a in rhs_axes))
+  assert (renamed.row_axis, renamed.col_axis) == ("r", "c")
+  # the body it describes computes x @ w with those specs
+  m = mesh((2, 4))
+  f = jax.jit(jax.shard_map(build_body("meshslice", geometry, 2), mesh=m,
+                            in_specs=(P(*lhs_axes), P(*rhs_axes)), out_specs=P("x", "y")))
+  x = jax.random.normal(jax.random.key(0), (M, K), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (K, N), jnp.float32)
+  np.testing.assert_allclose(f(x, w), x @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_plain_gemm_refuses_an_unknown_dataflow():
+  with pytest.raises(ValueError, match="dataflow must be one of"):
+    plain_gemm("xs", M, K, N, 2, 4, jnp.float32)
 
 
 def test_take_and_assemble_are_inverse():

@@ -2,7 +2,7 @@
 import jax
 
 import meshslice
-from meshslice.demo import ModelConfig, abstract_inputs, make_mesh, make_step, place
+from meshslice.gpt import ModelConfig, abstract_inputs, make_mesh, make_step, place
 
 CFG = ModelConfig(layers=1, batch=4, seq=16, hidden=64, heads=4, ffn=128)
 

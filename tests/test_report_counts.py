@@ -1,0 +1,85 @@
+"""What a report adds up: plans by kind (`Report.plan_counts`) and the step's predicted
+time, each site counted as often as it runs (`Site.runs`: the product of the lengths of
+the scans around it)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshslice
+from meshslice import _jax_internals
+
+from helpers import mesh
+
+
+def _nested_scans_report():
+  """x @ w inside a scan of 3 inside a scan of 2, then @ v in the outer scan's body and
+  once more outside both."""
+  msh = mesh((2, 4))
+  xs = NamedSharding(msh, P("x", "y"))
+  ws = NamedSharding(msh, P(None, None, "x", "y"))
+
+  def step(x, w, v):
+    def outer(c, wl):
+      c, _ = jax.lax.scan(lambda c, wi: (c @ wi, None), c, wl)
+      return c @ v, None
+    y, _ = jax.lax.scan(outer, x, w)
+    return y @ v
+
+  f = jax.jit(step, in_shardings=(xs, ws, xs), out_shardings=xs)
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=xs)
+  w = jax.ShapeDtypeStruct((2, 3, 512, 512), jnp.float32, sharding=ws)
+  v = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=xs)
+  return meshslice.explain(f, profile="tpu-v4")(x, w, v)
+
+
+def test_runs_is_the_product_of_the_enclosing_scan_lengths():
+  report = _nested_scans_report()
+  assert [(s.context, s.runs) for s in report.sites] == [
+      ("scan > scan", 6), ("scan", 2), ("top", 1)]
+  assert report.rewritten == report.sites
+  # one call of the step: each site's time times its runs
+  assert report.predicted_step_seconds == sum(s.predicted_seconds * s.runs
+                                               for s in report.sites)
+  assert report.baseline_step_seconds == sum(s.baseline_seconds * s.runs
+                                             for s in report.sites)
+  assert report.predicted_step_seconds > report.predicted_seconds
+
+
+def test_runs_changes_no_plan_report_text_or_site_equality():
+  report = _nested_scans_report()
+  once = dataclasses.replace(report, sites=tuple(dataclasses.replace(s, runs=1)
+                                                 for s in report.sites))
+  assert once.sites == report.sites and once == report
+  assert "runs" not in repr(report.sites[0])
+  assert once.plan.to_json() == report.plan.to_json() and "runs" not in report.plan.to_json()
+  assert str(once) == str(report)
+  assert once.predicted_step_seconds == once.predicted_seconds
+
+
+def test_scan_length_reads_scans_only():
+  closed = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ c, None), x, None,
+                                                 length=3)[0])(jnp.ones((2, 2)))
+  scan, = closed.jaxpr.eqns
+  assert _jax_internals.scan_length(scan) == 3
+  loop = jax.make_jaxpr(lambda x: jax.lax.while_loop(lambda c: c[0, 0] < 3,
+                                                     lambda c: c @ c, x))(jnp.ones((2, 2)))
+  assert [_jax_internals.scan_length(e) for e in loop.jaxpr.eqns] == [None]
+
+
+def test_plan_counts_counts_rewritten_sites_by_plan():
+  report = _nested_scans_report()
+  a, b, c = report.sites
+  assert report.plan_counts() == {"collective os S=1": 3}
+  report = dataclasses.replace(report, sites=(
+      dataclasses.replace(a, algorithm="meshslice", dataflow="ls", ksplit=2,
+                          reduce_scatter="all_to_all"),
+      dataclasses.replace(b, algorithm="meshslice", dataflow="ls", ksplit=2),
+      dataclasses.replace(c, rewritten=False, algorithm=None, dataflow=None, ksplit=None,
+                          reason="left alone as requested (override or plan)")))
+  assert report.plan_counts() == {"meshslice ls S=2": 2}
+  counts = report.plan_counts(reduce_scatter=True)
+  assert counts == {"meshslice ls S=2": 1, "meshslice ls S=2 rs=all_to_all": 1}
+  assert list(counts) == sorted(counts)
