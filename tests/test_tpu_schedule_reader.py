@@ -637,7 +637,7 @@ ENTRY %main (p0: bf16[1024,1024]) -> bf16[1024,1024] {{
   %fd = bf16[1024,1024]{{L}} collective-permute-done(%fwd)
   %od = bf16[1024,1024]{{L}} collective-permute-done(%other)
   ROOT %r = bf16[1024,1024]{{L}} add(%fd, %od)
-}}"""
+}}"""  # noqa: E501
 _BACKWARD_PAIRS = "{{0,3},{1,0},{2,1},{3,2},{4,7},{5,4},{6,5},{7,6}}"
 _FORWARD_PAIRS = "{{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}"
 
