@@ -10,16 +10,25 @@ never imports the pass or the rewrites.
                 predict, lower_bound
   memory        per-site peak bytes of a plan, chip capacity, training-step memory
   timeline      predicted schedules as Chrome / Perfetto trace JSON
-  autotune      best_plan (one site), transformer_problems, recommend_mesh (mesh shapes),
-                transformer_memory, paper_assumptions
+  site_choice   one site's plan: the autotuner's best_plan and the pass's choose, one room
+                so the two rules sit side by side where pass and mesh study reach them
+  mesh_study    whole models: recommend_mesh, evaluate_mesh, transformer_memory; apart,
+                since it grows with models and layouts, not with how a site is chosen
+  autotune      the old import path: re-exports site_choice and mesh_study
   cli           `python -m meshslice autotune`
   fitting       fits of the collective and GEMM models to timings, rank / spearman
   calibrate     the measurement harness and `python -m meshslice calibrate`
   xla_baseline  CompilerTerms, candidates re-priced as compiled, XLA's own program
   compiler_fit  CompilerTerms fitted to compiled single-GEMM programs
   hlo_text      the one HLO text parser: types and bytes, replica groups, trip counts
-  tpu_schedule  compiled TPU programs read as schedules: summarize, simulate
-  routed_links  a second link model for them: collectives routed over the torus links
+  tpu_read      compiled TPU programs read as CompiledOp / CompiledSchedule records, and
+                the chip table (CLOCK_HZ); apart: tpu_simulate and libtpu_log stand on it
+  tpu_simulate  the predicted step time of a read schedule (simulate, Wait); apart, since
+                link models and clocks change for other reasons than the reading
+  libtpu_log    libtpu's scheduler totals from its compile log: a second opinion beside
+                the simulation, not an input to it
+  tpu_schedule  the old import path: re-exports tpu_read, tpu_simulate and libtpu_log
+  routed_links  a second link model for the simulation: collectives routed over torus links
 
 Example:
   >>> from meshslice.costmodel import GemmProblem, best_plan

@@ -33,12 +33,11 @@ What an instruction is (`CompiledOp.kind`):
                named `async-collective-start` / `-done` whose computations end in the
                `AsyncCollectiveStart` / `AsyncCollectiveDone` custom calls), and
                collectives offloaded to the SparseCore (v5p, v6e under
-               `--xla_tpu_enable_sparse_core_collective_offload_*`; tpu7x by default:
-               with libtpu 0.0.42.1 every all-gather and reduce-scatter probed, and
-               all-reduces of 32 MiB but not of 4 MiB): `call-start` /
-               `call-done` to a computation on the "sparsecore" execution thread whose
-               root is the collective (libtpu 0.0.50 issues it with a `call-update`
-               after an operand-less `call-start`; the update is the start). What is
+               `--xla_tpu_enable_sparse_core_collective_offload_*`; tpu7x by default,
+               which kinds and sizes: docs/tpu.md): `call-start` / `call-done` to a
+               computation on the "sparsecore" execution thread whose root is the
+               collective (newer libtpus issue it with a `call-update` after an
+               operand-less `call-start`; the update is the start). What is
                scheduled between a start and its done runs while the collective moves.
   dma          async memory moves with no compute estimate (copy-start/-done,
                slice-start/-done): not modelled
@@ -68,9 +67,9 @@ is fused with the collective's continuation (`async_collective_fusion.N`, a kOut
 fusion whose computation repeats the collective and whose operands are the start's
 outputs). Such a fusion is compute (`CompiledOp.continuation`; kind "dot" when it holds a
 dot, else "other", e.g. an attention softmax), never another collective: the collective is
-timed by its start / done pair. On libtpu 0.0.42 such fusions carry their own estimated
-cycles; the start and done fusions do not (they issue and wait). Any dot-bearing fusion
-without an estimate gets one from its FLOPs at the chip's peak
+timed by its start / done pair. The compiler estimates such fusions itself; the start and
+done fusions carry no estimate (they issue and wait; measured: docs/tpu.md). Any
+dot-bearing fusion without an estimate gets one from its FLOPs at the chip's peak
 (`CompiledOp.cycles_source == "flops"`), so nothing is silently free; compiling the same
 program a second time without the async flags gives the compiler's own estimate for the
 same work (`meshslice.aot` does both).
@@ -88,10 +87,9 @@ the algorithm it chose (`CompiledOp.emitter`: "1DAllGatherNonMajorDim",
 cores:{4 4}}", ...), read as the torus dims it drives (`CompiledOp.ring_dims`); given
 `axis_dims` (the torus dims each profile dim's bandwidth sums:
 `tpu_simulate.axis_torus_dims(profile, mesh_shape)`), `tpu_simulate.simulate` gives the
-collective that share of the axis's bandwidth.
-Measured on libtpu 0.0.42: on v4:4x4x4 a 16-chip axis (two torus dims) gets 1D
-all-gathers and a single-ring reduce-scatter but a 2-dim all-reduce; on v4:2x2x2 the
-4-chip axis gets 2D all-gathers.
+collective that share of the axis's bandwidth: pricing each collective on all the axis's
+links would time it faster than the algorithm libtpu chose runs. What libtpu chose on
+measured meshes: docs/tpu.md, "Our simulator against libtpu's".
 Async collective fusions name no algorithm: they take the one libtpu chose for a
 collective of the same kind over the same group shape elsewhere in the program
 (`CompiledOp.ring_dims_source == "same-axis"`), else (none) keep the whole axis.

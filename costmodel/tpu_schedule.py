@@ -19,7 +19,9 @@ The code lives in three modules split by job; every name is re-exported here, so
 
 This module holds no code of its own: the simulator and the log reader import the
 reader, so a reader that also re-exported them would import in a circle
-(tests/test_layering.py).
+(tests/test_layering.py). The old names `Op` and `Schedule` (timing has its own `Op` and
+`Schedule`) still answer here, with a DeprecationWarning naming `CompiledOp` /
+`CompiledSchedule`.
 
 Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   >>> text = '''
@@ -36,17 +38,33 @@ Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
   >>> summarize(s).compute_cycles, summarize(s).collective_count
   (1050000, {'all-gather': 1})
 """
+import warnings
+
 from .hlo_text import COLLECTIVES
 from .libtpu_log import (SCHEDULER_LOG_ENV, SchedulerTotals, capture_stderr, read_scheduler_log,
                          scheduler_cycles, scheduler_entry, scheduler_loop_cycles)
 from .tpu_read import (CLOCK_HZ, FLOPS_PER_CYCLE, KINDS, CompiledOp, CompiledSchedule, Entry,
-                       Loop, Op, Schedule, Summary, parse_module, read_schedule, summarize)
+                       Loop, Summary, parse_module, read_schedule, summarize)
 from .tpu_simulate import Simulation, Wait, axis_torus_dims, collective_seconds, simulate
 # private helpers the reader's tests check here
 from .tpu_read import _Reader, _permute_link, _strategy, _strategy_cores  # noqa: F401
 
+# Deprecated names -> what replaced them (module __getattr__, PEP 562: only these warn).
+_DEPRECATED = {"Op": ("CompiledOp", CompiledOp),
+               "Schedule": ("CompiledSchedule", CompiledSchedule)}
+
+
+def __getattr__(name: str):
+  if name in _DEPRECATED:
+    new, value = _DEPRECATED[name]
+    warnings.warn(f"meshslice.costmodel.tpu_schedule.{name} is deprecated; use {new}",
+                  DeprecationWarning, stacklevel=2)
+    return value
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["CLOCK_HZ", "COLLECTIVES", "FLOPS_PER_CYCLE", "KINDS", "SCHEDULER_LOG_ENV",
-           "CompiledOp", "CompiledSchedule", "Entry", "Loop", "Op", "Schedule",
+           "CompiledOp", "CompiledSchedule", "Entry", "Loop",
            "SchedulerTotals", "Simulation", "Summary", "Wait", "axis_torus_dims",
            "capture_stderr", "collective_seconds", "parse_module", "read_schedule",
            "read_scheduler_log", "scheduler_cycles", "scheduler_entry",

@@ -33,8 +33,8 @@ the minor axis in either direction), else dim 0. Loops run their body trip-count
 times. Compute cycles are the compiler's (or FLOP-derived: `tpu_read`).
 
 Links per collective. A collective gets the share of its mesh axis's bandwidth that the
-algorithm libtpu chose for it drives (`CompiledOp.ring_dims`, read by `tpu_read`, whose
-docstring has the measurements), given `axis_dims` (`axis_torus_dims`); see
+algorithm libtpu chose for it drives (`CompiledOp.ring_dims`, read by `tpu_read`; the
+measurements are in docs/tpu.md), given `axis_dims` (`axis_torus_dims`); see
 `collective_seconds`.
 """
 from __future__ import annotations
@@ -249,8 +249,8 @@ def simulate(schedule: CompiledSchedule | str, profile: HardwareProfile | str = 
              clock_hz: float | None = None, axis_dims=None, collective_time=None,
              model: str | None = None) -> Simulation:
   """Walk the schedule: compiler cycles on one compute stream, collectives on link streams
-  per profile dim and direction (`link_streams`); async collectives overlap what runs between start and done,
-  sync ones add (module docstring).
+  per profile dim and direction (`link_streams`); async collectives overlap what runs
+  between start and done, sync ones add (module docstring).
 
   profile: a HardwareProfile or a profile name (`load_profile`); its collective numbers
   time the collectives, its name picks the clock (CLOCK_HZ) unless clock_hz is given.

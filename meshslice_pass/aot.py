@@ -361,7 +361,7 @@ class AotResult:
       their trip counts (`tpu_schedule.scheduler_loop_cycles`); the entry total counts a
       loop as one node costing less (docs/tpu.md), so compare programs with loops on
       scheduler_cycles + this where the loop nodes are small. None without a log.
-    schedule: the tpu_schedule.Schedule read (per-op detail, e.g. `schedule.expanded()`);
+    schedule: the tpu_schedule.CompiledSchedule read (per-op detail, e.g. `schedule.expanded()`);
       not in `row()`.
   """
 

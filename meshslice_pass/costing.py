@@ -9,8 +9,12 @@ the fewest slices within NEAR_TIE of the fastest (`choose`), and leave the site 
 own program unless the plan beats it by more than XLA_MARGIN (`xla_program`,
 `leave_to_xla`). Those names are re-exported here, where the planner calls them.
 
-Only the site's shapes, dtypes and mesh sizes enter, so the choice is a pure function of
-(program, mesh shape, options, profile): no timing, no host state.
+What enters is data: the site's shapes, dtypes and layouts (the program), the mesh's
+axis sizes and, for a concrete mesh, its devices' TPU slices (`site_profile`), the
+hardware profile, and the options, among them the compiler flags
+(`Options.compiler_flags`: the planner hands `xla_program` the collectives they keep out
+of windowed einsum or offload to the SparseCore). Nothing here times anything or reads
+the environment, so the choice is a function of (program, mesh, options, profile).
 """
 from __future__ import annotations
 

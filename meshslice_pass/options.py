@@ -73,8 +73,8 @@ class Options:
       reduce-scatter their partial products: "reduce_scatter" (one reduce-scatter
       collective per slice), "all_to_all" (an all-to-all and a local sum, laid out so
       that neither copies the partial: `meshslice.rewrites.scatter`), or "auto" (None,
-      the default): "all_to_all" when the mesh is TPU and this process's
-      LIBTPU_INIT_ARGS turn on `--xla_tpu_enable_async_all_to_all=true`, else
+      the default): "all_to_all" when the mesh is TPU and `compiler_flags`
+      turn on `--xla_tpu_enable_async_all_to_all=true`, else
       "reduce_scatter". On TPU v4 libtpu keeps reduce-scatters synchronous but runs those
       all-to-alls asynchronously, so a weight gradient's reduce-scatter hides under the
       rest of the backward pass; the sum fuses into its consumer (docs/tpu.md). Also a

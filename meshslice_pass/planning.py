@@ -1,22 +1,31 @@
 """Planning: one `Site` per dot_general of the program, rewritten or left alone (with why).
 
-The plan is a pure function of (program, mesh shape, options; for a concrete mesh also
-which mesh axes cross TPU slices): no timing, no host state, so every process of a
-multi-host job emits the same program.
+A plan's inputs are data: the program (its jaxpr, the layouts the analysis gave its
+values, its parameters' names), the mesh (its axis sizes; for a concrete `Mesh` also its
+devices: which axes cross TPU slices, and whether they are TPUs) and the `Options`, which
+carry the hardware profile (`profile`, loaded when the options are made) and
+`compiler_flags`, the libtpu flags the program will be compiled with (given, or this
+process's LIBTPU_INIT_ARGS, which `Options` reads once, when `transform` / `explain` /
+`check` is called). Planning times nothing and reads no environment variable, so every
+process of a multi-host job emits the same program. One input is still read from the
+process: reduce_scatter "auto" without a concrete mesh asks `target_platform()`, i.e. the
+mesh being traced under, else this process's default JAX backend
+(`_automatic_scatter_form`).
 
 Unless the user pins them, algorithm and ksplit come from the cost model
 (`meshslice.costmodel`, profile option): among the slice counts S for which block-cyclic
 slicing is exact (S * lcm(R, C) divides the communicated extent), S <= max_ksplit, with
 blocks of at least min_block elements, the plan that fits the chip's HBM
-(`costmodel.why_too_big`) with the fewest slices among those predicted within 2% (the
-model's error) of the fastest wins: collective before meshslice, smaller S before larger
-(each slice costs the compiled program more than the model prices). When no plan fits, the
-site is left alone ("no plan fits HBM: ..."). On a profile with TPU compiler terms every
-plan is priced as compiled (`costmodel.xla_baseline`), and the winner must beat XLA's own
-program for the site (option xla_baseline; priced under this process's libtpu flags:
-windowed einsum turned off there is not XLA's program) by more than `costing.XLA_MARGIN`
-(the model's error): otherwise the site is left alone, its reason naming both predicted
-times, and compiles as plain jit would.
+(`costmodel.why_too_big`) with the fewest slices among those predicted within NEAR_TIE
+(2%, the model's error) of the fastest wins: collective before meshslice, smaller S
+before larger (each slice costs the compiled program more than the model prices). When
+no plan fits, the site is left alone ("no plan fits HBM: ..."). On a profile with TPU
+compiler terms every plan is priced as compiled (`costmodel.xla_baseline`), and the
+winner must beat XLA's own program for the site (option xla_baseline; priced under
+`Options.compiler_flags`: windowed einsum turned off there is not XLA's program) by more
+than XLA_MARGIN (the model's error): otherwise the site is left alone, its reason naming
+both predicted times, and compiles as plain jit would. The rule's code is the cost model's
+(`meshslice.costmodel.site_choice`: `choose`, `leave_to_xla`), called through `costing`.
 """
 from __future__ import annotations
 
@@ -393,7 +402,7 @@ def _xla_baseline(options) -> str:
 
 def _versus_xla(best, site, ctx, request, base):
   """`best`, or the site left to XLA unless the rewrite is predicted faster than XLA's
-  own program for it (in the operands' own layouts, under this process's libtpu flags)
+  own program for it (in the operands' own layouts, under `Options.compiler_flags`)
   by more than `costing.XLA_MARGIN` (`costing.leave_to_xla`). Only automatic plans are
   compared: a pinned algorithm, ksplit or dataflow is the user's call."""
   mode = _xla_baseline(ctx.options)
@@ -524,10 +533,12 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
 
 def _automatic_scatter_form(ctx) -> str | None:
   """What reduce_scatter="auto" (the default) means for this mesh: "all_to_all" when it
-  compiles for TPU with libtpu's async all-to-all on (this process's LIBTPU_INIT_ARGS, which
-  libtpu reads once): libtpu keeps reduce-scatters synchronous on v4 (and on v5p in the
-  programs measured) but overlaps those all-to-alls (docs/tpu.md); else None (one
-  reduce-scatter, the only form that overlaps anything on GPU)."""
+  compiles for TPU with libtpu's async all-to-all on in `Options.compiler_flags` (by
+  default this process's LIBTPU_INIT_ARGS, which libtpu reads once): libtpu keeps
+  reduce-scatters synchronous on v4 (and on v5p in the programs measured) but overlaps
+  those all-to-alls (docs/tpu.md); else None (one reduce-scatter, the only form that
+  overlaps anything on GPU). Without a concrete mesh, whether it compiles for TPU is
+  `target_platform()`'s answer: the mesh being traced under, else the default backend."""
   mesh = ctx.mesh if isinstance(ctx.mesh, jax.sharding.Mesh) else None
   if target_platform(mesh) != "tpu":
     return None

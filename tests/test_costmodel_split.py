@@ -26,7 +26,7 @@ def _same(old, new, names):
 
 def test_tpu_schedule_re_exports_the_reader_the_simulator_and_the_log():
   _same(tpu_schedule, tpu_read, ["CLOCK_HZ", "FLOPS_PER_CYCLE", "KINDS", "CompiledOp",
-                                 "CompiledSchedule", "Entry", "Loop", "Op", "Schedule",
+                                 "CompiledSchedule", "Entry", "Loop",
                                  "Summary", "parse_module", "read_schedule", "summarize",
                                  "_Reader", "_permute_link", "_strategy", "_strategy_cores"])
   _same(tpu_schedule, tpu_simulate, ["Simulation", "Wait", "axis_torus_dims",
@@ -35,6 +35,19 @@ def test_tpu_schedule_re_exports_the_reader_the_simulator_and_the_log():
                                    "read_scheduler_log", "scheduler_cycles",
                                    "scheduler_entry", "scheduler_loop_cycles"])
   assert all(hasattr(tpu_schedule, n) for n in tpu_schedule.__all__)
+
+
+def test_the_old_schedule_names_still_resolve_with_a_deprecation_warning():
+  # timing has its own Op and Schedule; the compiled-schedule ones are CompiledOp and
+  # CompiledSchedule, and the old names warn, naming the new one
+  for old, new in (("Op", "CompiledOp"), ("Schedule", "CompiledSchedule")):
+    with pytest.warns(DeprecationWarning, match=rf"tpu_schedule\.{old} is deprecated.*{new}"):
+      assert getattr(tpu_schedule, old) is getattr(tpu_read, new)
+    assert old not in tpu_schedule.__all__
+  with pytest.warns(DeprecationWarning):
+    from meshslice.costmodel.tpu_schedule import Schedule  # noqa: F401
+  with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+    _ = tpu_schedule.Nope
 
 
 def test_autotune_re_exports_the_site_rule_and_the_mesh_study():

@@ -390,8 +390,8 @@ def test_scheduler_loop_bodies_times_their_trips():
                   body_computation="unlogged")
   loop = ts.Loop(name="w", trip_count=8, trip_count_known=True, body=(inner,),
                  body_computation="wide.windowed_dot_general_body_ag.clone.sunk")
-  assert ts.scheduler_loop_cycles(log, ts.Schedule(entries=(loop,))) == 8 * 479131
-  assert ts.scheduler_loop_cycles(log, ts.Schedule(entries=())) == 0
+  assert ts.scheduler_loop_cycles(log, ts.CompiledSchedule(entries=(loop,))) == 8 * 479131
+  assert ts.scheduler_loop_cycles(log, ts.CompiledSchedule(entries=())) == 0
 
 
 # One real compile: v4:2x2x2 as 2x4, an async all-gather (2 MiB shard over x) beside an
