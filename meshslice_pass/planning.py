@@ -537,9 +537,12 @@ def _automatic_scatter_form(ctx) -> str | None:
   default this process's LIBTPU_INIT_ARGS, which libtpu reads once): libtpu keeps
   reduce-scatters synchronous on v4 (and on v5p in the programs measured) but overlaps
   those all-to-alls (docs/tpu.md); else None (one reduce-scatter, the only form that
-  overlaps anything on GPU). Without a concrete mesh, whether it compiles for TPU is
-  `target_platform()`'s answer: the mesh being traced under, else the default backend."""
-  mesh = ctx.mesh if isinstance(ctx.mesh, jax.sharding.Mesh) else None
+  overlaps anything on GPU). Whether it compiles for TPU is `target_platform`'s answer
+  for the site's mesh: a concrete mesh's devices, an AbstractMesh's abstract device (a
+  plan made on an abstract TPU mesh is the same on every host), else the mesh being
+  traced under, else the default backend."""
+  mesh = ctx.mesh if isinstance(ctx.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)) \
+      else None
   if target_platform(mesh) != "tpu":
     return None
   if not backend_flags.async_all_to_all(ctx.options.compiler_flags):

@@ -240,3 +240,18 @@ def test_the_report_asks_for_the_flag_on_tpu(monkeypatch):
                   "in LIBTPU_INIT_ARGS as well (set before jax starts) the pass sends them as "
                   "async all-to-alls (reduce_scatter='auto'; docs/tpu.md)")
   assert notes(backend_flags.SAFE_ASYNC_FLAGS + backend_flags.ASYNC_ALL_TO_ALL_FLAGS) == ()
+
+
+def test_auto_reads_an_abstract_tpu_meshs_device_not_the_host():
+  """A step planned on the AbstractMesh of a TPU topology, outside any mesh context,
+  takes the all-to-all form on this CPU host as on a TPU one: the plan is a function of
+  the mesh and the flags, not of the host's backend."""
+  pytest.importorskip("libtpu")
+  from meshslice import aot, backend_flags
+  abstract = aot.make_mesh("v4:2x2x2", (2, 4)).abstract_mesh
+  step, params, data = aot.model_step("gpt3", abstract, layers=1, batch=8)
+  with_a2a = backend_flags.SAFE_ASYNC_FLAGS + backend_flags.ASYNC_ALL_TO_ALL_FLAGS
+  report = meshslice.explain(step, algorithm="collective", compiler_flags=with_a2a)(
+      params, data)
+  forms = {(s.dataflow, s.reduce_scatter) for s in report.rewritten}
+  assert ("rs", "all_to_all") in forms and ("ls", "all_to_all") in forms
