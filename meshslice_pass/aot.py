@@ -494,23 +494,58 @@ def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = 
 
 # ----------------------------------------------------------------------------- models
 
-def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
-               seq: int | None = None, dtype: str = "bfloat16"):
-  """The GPT-style training step (meshslice.gpt: attention + MLP layers, scan over
-  checkpointed blocks, fwd + bwd + SGD) at the size of `model` ("gpt3", "megatron": see
-  meshslice.costmodel.model_spec), on `mesh` (axes "x", "y"), with abstract inputs.
+def model_step(model: str, mesh, *, layers: int | None = None, batch: int | None = None,
+               seq: int | None = None, dtype: str | None = None, whole: bool = False):
+  """A training step of `model` on `mesh` (axes (..., row, col), e.g. ("x", "y"); a
+  Mesh, e.g. `make_mesh`'s, or an AbstractMesh), with abstract inputs (sharded
+  `jax.ShapeDtypeStruct`s: nothing allocated), as `(step, *args)`: `step(*args)` is the
+  step, `compile(step, *args, mesh=mesh)` compiles it.
+
+  whole=False (the default): the GPT-style layer step of the demo (meshslice.gpt:
+    attention + MLP layers, scan over checkpointed blocks, fwd + bwd + SGD) at the size
+    of `model` ("gpt3", "megatron", or a ModelSpec: meshslice.costmodel.model_spec);
+    returns (step, params, batch). layers: default 1; dtype: default "bfloat16".
+  whole=True: the whole training step of `meshslice.whole_step.whole_step` (one-hot
+    token embedding, scanned checkpointed layers, logits, softmax cross-entropy, Adam)
+    of a `whole_step.PRESETS` model ("gpt3", "megatron", "llama70b", "tiny",
+    "tiny_llama") or a `whole_step.WholeConfig`; returns (step, params, opt_state,
+    batch), the step donating params and opt_state. layers: default 4 (a schedule
+    simulator sees the steady state); dtype: default the preset's (bfloat16 at scale,
+    float32 for the tiny ones).
 
   batch: sequences per step (default: one per device; tpu7x: per TensorCore). seq:
-  tokens per sequence (default: the model's). Returns (step, params, batch).
+  tokens per sequence (default: the model's).
+
+  Either way, `step, *args = model_step(...)` takes both.
+
+  Example:
+    >>> am = jax.sharding.AbstractMesh((64, 4), ("x", "y"))          # doctest: +SKIP
+    >>> step, params, opt_state, batch = model_step("gpt3", am, whole=True)  # doctest: +SKIP
+    >>> params["layers"]["wq"].shape, batch["tokens"].shape           # doctest: +SKIP
+    ((4, 12288, 12288), (256, 2048))
   """
+  if whole:
+    from .whole_step import whole_step
+    step, params, opt_state, data = whole_step(model, mesh, layers=4 if layers is None
+                                               else layers, batch=batch, seq=seq,
+                                               dtype=dtype)
+    return step, params, opt_state, data
   import jax
   from jax.sharding import NamedSharding
   from . import gpt
   from meshslice.costmodel import model_spec
-  spec = model_spec(model, seq=seq)
+  try:
+    spec = model_spec(model, seq=seq)
+  except ValueError as e:
+    from .whole_step import PRESETS
+    if isinstance(model, str) and model in PRESETS:   # llama70b, tiny, tiny_llama
+      raise ValueError(f"{e}; {model!r} is a whole-step preset (meshslice.whole_step."
+                       "PRESETS): pass whole=True") from None
+    raise
   n = math.prod(dict(mesh.shape).values())     # a Mesh or an AbstractMesh
-  cfg = gpt.ModelConfig(layers=layers, batch=batch or n, seq=spec.seq, hidden=spec.hidden,
-                        heads=spec.heads, ffn=4 * spec.hidden, dtype=dtype)
+  cfg = gpt.ModelConfig(layers=1 if layers is None else layers, batch=batch or n,
+                        seq=spec.seq, hidden=spec.hidden, heads=spec.heads,
+                        ffn=4 * spec.hidden, dtype=dtype or "bfloat16")
   row, col = mesh.axis_names[-2:]
   ps = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.param_specs(row, col))
   bs = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.batch_specs(row, col))
@@ -519,16 +554,20 @@ def model_step(model: str, mesh, *, layers: int = 1, batch: int | None = None,
   return gpt.make_step(cfg, mesh), abstract_args(params, ps), abstract_args(data, bs)
 
 
-def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers: int = 1,
-            batch: int | None = None, variants=("plain", "meshslice"), echo=None,
-            topology_name_: str | None = None, seq: int | None = None, **options) -> dict:
+def compare(model: str, topology: str | None = None, mesh_shape=None, *,
+            layers: int | None = None, batch: int | None = None,
+            variants=("plain", "meshslice"), echo=None, topology_name_: str | None = None,
+            seq: int | None = None, whole: bool = False, **options) -> dict:
   """Compile the model's step (`model_step`) on a TPU topology's `mesh_shape` mesh plain
   and meshslice-transformed (`options` go to meshslice.transform; profile defaults to
   the topology's) and analyze both.
 
   topology: a topology name such as "v4:2x2x2" (`topology_name_`: its old spelling,
     still accepted as a keyword).
-  seq: tokens per sequence (default: the model's, 2048).
+  layers: layers in the step (default: `model_step`'s, 1, or 4 with `whole`).
+  seq: tokens per sequence (default: the model's, 2048 for gpt3).
+  whole: compile the whole training step (`model_step(..., whole=True)`: embeddings,
+    layers, loss, Adam; `model` one of `whole_step.PRESETS`) instead of the layer step.
   echo: given, the meshslice variant's report is passed to it as text.
 
   Returns {variant: AotResult}.
@@ -543,7 +582,7 @@ def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers:
   gen, _ = parse_topology(topology)
   options.setdefault("profile", gen.profile)
   mesh = make_mesh(topology, mesh_shape)
-  step, params, data = model_step(model, mesh, layers=layers, batch=batch, seq=seq)
+  step, *args = model_step(model, mesh, layers=layers, batch=batch, seq=seq, whole=whole)
   out = {}
   for variant in variants:
     if variant == "plain":
@@ -553,10 +592,10 @@ def compare(model: str, topology: str | None = None, mesh_shape=None, *, layers:
       if echo is not None:
         import jax
         with jax.set_mesh(mesh):
-          echo(str(fn.explain(params, data)))
+          echo(str(fn.explain(*args)))
     else:
       raise ValueError(f"variant must be 'plain' or 'meshslice', got {variant!r}")
-    compiled, seconds = compile(fn, params, data, mesh=mesh)
+    compiled, seconds = compile(fn, *args, mesh=mesh)
     out[variant] = analyze(compiled, options["profile"], compile_s=seconds,
                            mesh_shape=mesh_shape)
     del compiled

@@ -1,7 +1,9 @@
 """`python -m meshslice aot`: compile a transformer training step for a TPU topology
 ahead of time as XLA's four programs (plain and dense, each with libtpu defaults and with
 the async collective flags) and the meshslice rewrite, each variant in its own process
-under its own libtpu flags, and print what the compiler made of each side by side.
+under its own libtpu flags, and print what the compiler made of each side by side. The
+step is the GPT-style layer step (`aot.model_step`), or with `--whole` the whole
+training step (`whole_step`: embeddings, scanned layers, loss, Adam).
 
 The compiling, reading and the table are meshslice.aot's (`compare`, `VARIANTS`,
 `variant_flags`, `format_table`), and so is the fresh process per variant
@@ -31,11 +33,22 @@ def _variant_worker(args, gen, shape, options) -> int:
   jax.config.update("jax_platforms", "cpu")      # the host runs nothing but the compiler
   results = compare(args.model, args.topology, shape, layers=args.layers, batch=args.batch,
                     seq=args.seq, variants=("meshslice" if use_pass else "plain",),
-                    echo=print, **options)
+                    echo=print, whole=args.whole, **options)
   row = next(iter(results.values())).row()
   with open(args.json, "w") as f:
     json.dump(row, f)
   return 0
+
+
+ONE_LAYER_MODELS = ("gpt3", "megatron")         # model_step's layer step (model_spec)
+
+
+def _models(whole: bool) -> tuple:
+  """The --model choices: the layer step's, or with --whole the whole step's presets."""
+  if not whole:
+    return ONE_LAYER_MODELS
+  from .whole_step import PRESETS
+  return tuple(PRESETS)
 
 
 def main(argv=None) -> int:
@@ -47,19 +60,28 @@ def main(argv=None) -> int:
                   "meshslice-transformed step, each in its own process; print what the "
                   "compiler made of each side by side, and the rewrite against the best "
                   "XLA variant.")
-  parser.add_argument("--model", default="gpt3", choices=["gpt3", "megatron"])
+  parser.add_argument("--model", default="gpt3",
+                      help="gpt3 or megatron (the layer step; default gpt3); with --whole "
+                           "a preset of meshslice.whole_step.PRESETS, e.g. gpt3, llama70b, "
+                           "tiny (float32, small: compiles in seconds)")
+  parser.add_argument("--whole", action="store_true",
+                      help="compile the whole training step (meshslice.whole_step: one-hot "
+                           "token embedding, scanned checkpointed layers, logits, softmax "
+                           "cross-entropy, Adam) instead of the layer step (fwd + bwd + SGD)")
   parser.add_argument("--topology", required=True,
                       help="TPU topology, e.g. v4:2x2x2, v4:8x8x4 (256 chips), v5e:16x16, "
                            "tpu7x:2x2x1 (Ironwood: 4 chips, 8 devices, one per TensorCore)")
   parser.add_argument("--mesh", required=True,
                       help="mesh shape RxC (axes x, y) in devices, e.g. 32x8 (on tpu7x the "
                            "two TensorCores of a chip are next to each other along y)")
-  parser.add_argument("--layers", type=int, default=1, help="layers in the step")
+  parser.add_argument("--layers", type=int, default=None,
+                      help="layers in the step (default: 1; with --whole 4, so that the "
+                           "simulator sees the scan's steady state)")
   parser.add_argument("--batch", type=int, default=None,
                       help="sequences per step (default: one per device)")
   parser.add_argument("--seq", type=int, default=None,
-                      help="tokens per sequence (default: the model's, 2048); smaller "
-                           "compiles faster")
+                      help="tokens per sequence (default: the model's, 2048 for gpt3); "
+                           "smaller compiles faster")
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="programs to compile, comma-separated, from: "
                            + ", ".join(VARIANTS) + " (default: all)")
@@ -77,6 +99,15 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default=None, help="also write the figures as JSON here")
   parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)   # internal
   args = parser.parse_args(argv)
+  if args.model not in _models(args.whole):
+    parser.error(f"--model: {args.model!r} is not one of "
+                 f"{', '.join(_models(args.whole))}"
+                 + (" (the whole step's presets, --whole)" if args.whole else
+                    "; the whole step's presets (" + ", ".join(_models(True))
+                    + ") need --whole"))
+  if args.layers is not None and args.layers < 1:
+    parser.error(f"--layers must be a positive int, got {args.layers}")
+  args.layers = args.layers or (4 if args.whole else 1)
   try:
     gen, _ = parse_topology(args.topology)
     shape = tuple(int(v) for v in args.mesh.lower().split("x"))
@@ -84,6 +115,15 @@ def main(argv=None) -> int:
       raise ValueError
   except ValueError as e:
     parser.error(str(e) if str(e) else f"--mesh must be RxC, got {args.mesh!r}")
+  if args.whole:                 # sizes that do not divide the mesh: a usage error here
+    import jax
+    from . import whole_step as ws
+    try:
+      cfg = ws.config(args.model, layers=args.layers, batch=args.batch or shape[0] * shape[1],
+                      seq=args.seq)
+      ws._check_divides(cfg, jax.sharding.AbstractMesh(shape, ("x", "y")))
+    except ValueError as e:
+      parser.error(f"--whole --model {args.model}: {e}")
   try:
     meshslice_flags = preset_flags(args.flags, gen.name)
   except ValueError as e:
@@ -105,10 +145,11 @@ def main(argv=None) -> int:
   del meshslice_flags
   flags_of = {v: variant_flags(v, gen.name, args.flags if VARIANTS[v][0] else "async")
               for v in variants}
-  print(f"{args.model} step ({args.layers} layer(s), fwd+bwd"
-        f"{f', {args.seq} tokens per sequence' if args.seq else ''}) on {args.topology} as a "
-        f"{args.mesh} mesh; each variant compiled in its own process with its libtpu "
-        "flags:", flush=True)
+  tokens = f", {args.seq} tokens per sequence" if args.seq else ""
+  what = (f"whole step (embeddings, {args.layers} layer(s), fwd+bwd, loss, Adam{tokens})"
+          if args.whole else f"step ({args.layers} layer(s), fwd+bwd{tokens})")
+  print(f"{args.model} {what} on {args.topology} as a {args.mesh} mesh; each variant "
+        "compiled in its own process with its libtpu flags:", flush=True)
   for v in variants:
     print(f"  {v}: {' '.join(flags_of[v]) or '(libtpu defaults)'}", flush=True)
   rows = {}
@@ -118,6 +159,7 @@ def main(argv=None) -> int:
   passthrough += [f"--batch={args.batch}"] if args.batch else []
   passthrough += [f"--seq={args.seq}"] if args.seq else []
   passthrough += [f"--profile={args.profile}"] if args.profile else []
+  passthrough += ["--whole"] if args.whole else []
   for v in variants:
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "row.json")

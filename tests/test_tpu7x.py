@@ -261,3 +261,46 @@ def test_aot_cli_on_tpu7x(tmp_path):
   assert row["async_collectives"] > 0                       # offloaded to the SparseCore
   assert "gpt3 step (1 layer(s), fwd+bwd, 128 tokens per sequence) on tpu7x:2x2x1" in proc.stdout
   assert "meshslice report: mesh x=2 x y=4, profile tpu-v7x" in proc.stdout
+
+
+_TUNE = """
+import jax, json
+jax.config.update("jax_platforms", "cpu")
+import meshslice
+from meshslice import aot
+mesh = aot.make_mesh("tpu7x:2x2x1", (2, 4))
+step, *args = aot.model_step("tiny", mesh, whole=True, layers=1)
+report = meshslice.explain(step, profile="tpu-v7x")(*args)
+results = {}
+plan = meshslice.tune(step, *args, mesh=mesh, refine=0, results=results,
+                      candidates={"ksplit=2": {"algorithm": "meshslice", "ksplit": 2}})
+with jax.set_mesh(mesh):
+  tuned = meshslice.transform(step, plan=plan).explain(*args)
+print("RESULT", json.dumps({
+    "head": str(report).splitlines()[0], "sites": len(report.sites),
+    "plan": len(plan.sites), "tuned": len(tuned.sites), "compiled": sorted(results),
+    "chosen": [n for n, c in results.items() if c.plan == plan],
+    "profiles": sorted({c.result.simulation.profile for c in results.values()}),
+    "step_s": {n: c.step_s for n, c in results.items()},
+    "sliced": sum(e.get("ksplit") == 2 for e in results["ksplit=2"].plan.sites),
+    "flags": results["xla"].result.flags}))
+"""
+
+
+def test_tune_and_explain_the_whole_step_on_tpu7x():
+  """meshslice.explain and meshslice.tune on Ironwood (tpu7x:2x2x1 as 2x4: 4 chips, 8
+  TensorCores), on the tiny whole step (one layer): explain plans it with tpu-v7x, tune
+  compiles XLA's program and one sliced candidate under TPU7X_FLAGS, simulates both with
+  the 2x4 mesh's links, and returns the faster as a Plan that transform takes."""
+  pytest.importorskip("libtpu")
+  flags = " ".join(backend_flags.TPU7X_FLAGS)
+  out, result = _flag_process(_TUNE, flags, timeout=600)
+  assert result is not None, out.stderr[-3000:]
+  assert result["head"].startswith("meshslice report: mesh x=2 x y=4, profile tpu-v7x; "
+                                   "36 matmuls:")
+  assert result["sites"] == result["plan"] == result["tuned"] == 36
+  assert result["compiled"] == ["ksplit=2", "xla"] and result["sliced"] == 28
+  assert result["profiles"] == ["tpu-v7x@2x4"] and result["flags"] == flags
+  steps = result["step_s"]
+  assert all(s > 0 for s in steps.values())
+  assert result["chosen"] == [min(steps, key=lambda n: (steps[n], n != "xla"))]

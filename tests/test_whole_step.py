@@ -1,6 +1,11 @@
 """meshslice.whole_step: a whole training step (one-hot embedding, scanned checkpointed
 layers, logits + softmax cross-entropy, Adam) sharded the 2D way, small on the 8-device
 CPU mesh and at pod size on an abstract mesh."""
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,3 +195,64 @@ def test_aot_model_step_plans_on_an_abstract_mesh():
   assert {leaf.shape[0] for leaf in jax.tree.leaves(data)} == {256}   # a sequence per device
   report = meshslice.explain(step, profile="tpu-v4")(params, data)
   assert len(report.sites) == 31
+
+
+def test_aot_model_step_whole_is_the_whole_step_on_an_abstract_mesh():
+  """aot.model_step(..., whole=True) returns whole_step's (step, params, opt_state, batch)
+  with abstract inputs, 4 layers by default; the layer step stays (step, params, batch);
+  either way `step, *args` takes it."""
+  from meshslice import aot
+  am = jax.sharding.AbstractMesh((64, 4), ("x", "y"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  step, *args = aot.model_step("llama70b", am, whole=True)
+  params, opt, data = args
+  _, *expected = ws.whole_step("llama70b", am, layers=4)
+  shapes = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype), a.sharding.spec), tree)
+  assert shapes(args) == shapes(expected)
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(args))
+  assert params["layers"]["wk"].shape == (4, 8192, 1024) and data["tokens"].shape == (256, 4096)
+  assert str(opt["nu"]["embed"].dtype) == "float32"
+  # sizes and dtype as whole_step's overrides; the tiny presets keep their float32
+  small = jax.sharding.AbstractMesh((2, 4), ("x", "y"),
+                                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  step, params, opt, data = aot.model_step("tiny", small, whole=True, layers=2, seq=8)
+  assert params["layers"]["wq"].shape == (2, 64, 64) and data["tokens"].shape == (8, 8)
+  assert str(params["embed"].dtype) == "float32"
+  report = meshslice.explain(step, profile="tpu-v4")(params, opt, data)
+  assert len(report.sites) == SITES["gpt"]
+  assert len(aot.model_step("gpt3", small, seq=128)) == 3          # the layer step as before
+  with pytest.raises(ValueError, match="'tiny' is a whole-step preset .*: pass whole=True"):
+    aot.model_step("tiny", small)
+
+
+def test_aot_cli_whole_compiles_the_whole_step(tmp_path):
+  """`python -m meshslice aot --whole` compiles whole_step's step (the tiny preset on
+  v4:2x2x2; 4 layers by default), plain and rewritten, each in its own process, and
+  prints the usual table."""
+  pytest.importorskip("libtpu")
+  out = tmp_path / "rows.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "meshslice", "aot", "--whole", "--model", "tiny", "--topology",
+       "v4:2x2x2", "--mesh", "2x4", "--variants", "plain,meshslice", "--ksplit", "2",
+       f"--json={out}"], capture_output=True, text=True, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("tiny whole step (embeddings, 4 layer(s), fwd+bwd, loss, Adam) on v4:2x2x2 as a "
+          "2x4 mesh") in proc.stdout
+  assert "meshslice report: mesh x=2 x y=4, profile tpu-v4; 36 matmuls: 28 sliced" in proc.stdout
+  table = proc.stdout[proc.stdout.index("compute cycles (M)") - 200:]
+  header = next(line for line in table.splitlines() if "ratio" in line)
+  assert header.split() == ["plain", "meshslice", "ratio"]
+  assert "simulated step (ms)" in table and "meshslice vs the best XLA variant (plain" in table
+  rows = json.loads(out.read_text())
+  assert set(rows) == {"plain", "meshslice"}
+  assert all(r["step_s"] > r["compute_s"] > 0 for r in rows.values())
+  # a preset outside the layer step's models needs --whole; sizes must divide the mesh
+  wrong = subprocess.run([sys.executable, "-m", "meshslice", "aot", "--model", "tiny",
+                          "--topology", "v4:2x2x2", "--mesh", "2x4"],
+                         capture_output=True, text=True, env=env, timeout=120)
+  assert wrong.returncode == 2 and "need --whole" in wrong.stderr
+  wrong = subprocess.run([sys.executable, "-m", "meshslice", "aot", "--whole", "--model",
+                          "tiny", "--topology", "v4:2x2x2", "--mesh", "1x8"],
+                         capture_output=True, text=True, env=env, timeout=120)
+  assert wrong.returncode == 2 and "sizes do not divide the mesh 1x8" in wrong.stderr
