@@ -14,6 +14,32 @@ jax.config.update("jax_platforms", "cpu")
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
+# Parallel by default. With pytest-xdist installed (the dev extra) and no -n given,
+# `python -m pytest` runs as `-n auto --maxprocesses=4 --dist worksteal`:
+# - one worker per core (2 on CI's machine), at most 4: each worker is a process that holds
+#   jax, 8 emulated devices and its compiled programs (up to 1.5 GiB measured, and the
+#   suite's subprocesses on top), so a many-core machine does not spend its memory on
+#   workers;
+# - worksteal: each worker takes a contiguous half of the tests (a module's tests, and its
+#   module-scoped fixtures, mostly stay on one worker) and an idle worker takes over part
+#   of the other's queue, so a few long tests at the end do not leave a core idle.
+# Set here rather than as addopts so that an environment without xdist, or `-p no:xdist`,
+# still runs the suite (serially); `-n 0` runs it serially, `-n N` on N workers.
+_PARALLEL = dict(numprocesses="auto", maxprocesses=4, dist="worksteal")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """The `_PARALLEL` defaults, before xdist's own pytest_cmdline_main reads its options
+  (this hook runs first: conftests register after installed plugins)."""
+  if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+      or config.getoption("numprocesses") is not None):
+    return
+  config.option.numprocesses = _PARALLEL["numprocesses"]
+  config.option.maxprocesses = config.option.maxprocesses or _PARALLEL["maxprocesses"]
+  if config.option.dist == "no":
+    config.option.dist = _PARALLEL["dist"]
+
 
 @pytest.fixture
 def bench_script():
