@@ -451,6 +451,29 @@ def _offloaded(ctx, profile) -> frozenset:
                                            backend_flags.profile_generation(profile.name))
 
 
+def _why_slices_cannot_overlap(ctx, profile) -> str:
+  """Why a sliced plan's collectives would not overlap its matmuls where the program
+  runs, or "" when they can. On TPU (a mesh of TPU devices, or an AbstractMesh of them)
+  libtpu runs collectives asynchronously only under the generation's overlap flags
+  (`backend_flags.tpu_overlap_flags`); without them in `Options.compiler_flags` every
+  slice's collective waits for the chip, the slices run one after another, and a sliced
+  plan is slower than XLA's program (MaxText's published v5p flags: docs/benchmarks.md),
+  so the planner considers only unsliced plans. Elsewhere the cost model's overlap
+  stands (CPU runs collectives synchronously anyway, and GPU's flags are XLA_FLAGS)."""
+  mesh = ctx.mesh if isinstance(ctx.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)) \
+      else None
+  if target_platform(mesh) != "tpu":
+    return ""
+  flags = " ".join(ctx.options.compiler_flags or ())
+  missing = backend_flags.missing_overlap_flags(
+      "tpu", {"LIBTPU_INIT_ARGS": flags},
+      generation=backend_flags.profile_generation(profile.name))
+  if not missing:
+    return ""
+  return (f"not sliced: libtpu runs the slices' collectives synchronously without "
+          f"{' '.join(missing)} in the compiler flags (docs/tpu.md)")
+
+
 def _compiles_as_xla(ctx) -> bool:
   """Whether the collective rewrite compiles to XLA's own program for a site: on a
   concrete mesh of CPU or GPU devices (synchronous collectives, the same partitioning).
@@ -514,9 +537,14 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     too_big = costmodel.why_too_big(problem, algorithm, flow, ksplit, profile)
     note = _join(note, too_big and f"the requested plan does not fit HBM: {too_big}")
   else:
-    # the cost model picks among the slice counts this site can realise exactly
+    # the cost model picks among the slice counts this site can realise exactly, and
+    # slices at all only where their collectives can overlap the matmuls
     ksplits = tuple(k for k in geometry.valid_ksplits() if k <= ctx.options.max_ksplit
                     and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
+    no_overlap = _why_slices_cannot_overlap(ctx, profile)
+    if no_overlap:
+      ksplits = (1,)
+      site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
         algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms,

@@ -472,3 +472,27 @@ def test_sparse_core_offload_reshards_forward_sites_only(monkeypatch):
   pinned = meshslice.explain(step, profile="tpu-v6e", overrides={2: {"dataflow": "os"}})(
       x, w).sites[2]
   assert (pinned.rewritten, pinned.dataflow, pinned.rhs_spec) == (True, "os", "P('y', 'x')")
+
+
+def test_no_slicing_where_libtpu_would_run_the_slices_synchronously():
+  """On a TPU mesh, a plan slices only under the generation's async collective flags
+  (`Options.compiler_flags`): without them each slice's collective waits for the chip
+  and the sliced program is slower than XLA's (MaxText's 2023 v5p flags, simulated:
+  docs/benchmarks.md). The same step under the overlap flags is sliced."""
+  pytest.importorskip("libtpu")
+  from meshslice import aot, backend_flags
+  pod = aot.make_mesh("v4:8x8x4", (64, 4)).abstract_mesh
+  step, params, data = aot.model_step("gpt3", pod, layers=1)
+  with_overlap = meshslice.explain(
+      step, compiler_flags=aot.preset_flags("dense,async,all_to_all", "v4"))(params, data)
+  assert any((s.ksplit or 1) > 1 for s in with_overlap.rewritten)
+  without = meshslice.explain(step, compiler_flags=backend_flags.DENSE_FLAGS)(params, data)
+  assert all((s.ksplit or 1) == 1 for s in without.rewritten)
+  missing = " ".join(backend_flags.tpu_overlap_flags("v4"))
+  for s in without.sites:
+    if s.note and "not sliced" in s.note:
+      assert (f"not sliced: libtpu runs the slices' collectives synchronously without "
+              f"{missing} in the compiler flags (docs/tpu.md)") in s.note
+      break
+  else:
+    raise AssertionError("no site says why it is not sliced")
