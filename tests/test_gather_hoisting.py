@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import emit
+from meshslice import backend_flags, emit
 from meshslice.rewrites.platform import target_platform
 from meshslice.rewrites.slicing import not_before
 
@@ -113,7 +113,8 @@ def test_weight_gradients_are_not_tied_when_compiling_for_tpu():
   jitted, params, x = _setup(layers=1, msh=tpu_mesh)
   # sites rewritten even where they only tie with XLA's program (on TPU devices the
   # default plan leaves those to XLA)
-  fast = meshslice.transform(jitted, xla_baseline="none")
+  fast = meshslice.transform(jitted, xla_baseline="none",     # the flags a TPU rewrite needs
+                             compiler_flags=backend_flags.tpu_overlap_flags("v4"))
   with jax.set_mesh(tpu_mesh):
     weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
     assert weight_grads and {s.dataflow for s in weight_grads} == {"rs"}

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshslice
-from meshslice import aot, costing, planning
+from meshslice import aot, backend_flags, costing, planning
 from meshslice import analysis as A
 from meshslice import specs as S
 from meshslice.costmodel import load_profile, profile_for_mesh, site_peak_bytes, topology
@@ -100,7 +100,9 @@ def test_an_axis_crossing_slices_is_priced_at_dcn_bandwidth(dcn_shape, crossing)
   per_slice = tuple(4 // d for d in dcn_shape)
   grid = mesh_utils.create_hybrid_device_mesh(per_slice, dcn_shape, devices)
   two_slices = jax.sharding.Mesh(grid, ("x", "y"))
-  site, = _plan_on(two_slices, relayout=False, compiler_terms=False)
+  # the flags that let a TPU rewrite overlap (without them every site is left to XLA)
+  flags = backend_flags.tpu_overlap_flags("v4")
+  site, = _plan_on(two_slices, relayout=False, compiler_terms=False, compiler_flags=flags)
   dcn = V4.topology.dcn_bandwidth
   bandwidths = site.profile.all_gather.bandwidth
   assert bandwidths[crossing] == dcn and bandwidths[1 - crossing] > 10 * dcn
@@ -109,11 +111,13 @@ def test_an_axis_crossing_slices_is_priced_at_dcn_bandwidth(dcn_shape, crossing)
                              site.algorithm, site.dataflow, site.ksplit)
   assert site.predicted_seconds == pytest.approx(expected, rel=1e-12)
   # the same mesh shape without devices (an AbstractMesh) plans as one slice of ICI
-  one, = _plan_on(two_slices.abstract_mesh, relayout=False, compiler_terms=False)
+  one, = _plan_on(two_slices.abstract_mesh, relayout=False, compiler_terms=False,
+                  compiler_flags=flags)
   assert one.profile.name == "tpu-v4@4x4" and dcn not in one.profile.all_gather.bandwidth
   assert one.baseline_seconds < site.baseline_seconds
   # deterministic: planned again, the same sites
-  assert _plan_on(two_slices, relayout=False, compiler_terms=False) == (site,)
+  assert _plan_on(two_slices, relayout=False, compiler_terms=False,
+                  compiler_flags=flags) == (site,)
 
 
 @pytest.mark.skipif(not aot.have_libtpu(), reason="needs libtpu")

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshslice import aot
+from meshslice import aot, backend_flags
 from meshslice.costmodel import load_profile, profile_for_mesh
 from meshslice.costmodel import tpu_schedule as ts
 
@@ -329,7 +329,8 @@ def test_default_plan_of_an_all_reduce_site_compiles_to_plain_jits_program():
   w = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=sh("y", None))
   f = jax.jit(lambda x, w: jax.lax.with_sharding_constraint(x @ w, sh("x", None)),
               out_shardings=sh("x", None))
-  fast = meshslice.transform(f)
+  # under the flags a TPU rewrite needs (without them it is left to XLA for that reason)
+  fast = meshslice.transform(f, compiler_flags=backend_flags.tpu_overlap_flags("v4"))
   with jax.set_mesh(mesh):
     site, = fast.explain(x, w).sites
   assert not site.rewritten and site.reason.startswith(
@@ -344,7 +345,7 @@ _ASYNC_SCRIPT = """
 import jax, jax.numpy as jnp, json, meshslice
 jax.config.update("jax_platforms", "cpu")
 from jax.sharding import NamedSharding, PartitionSpec as P
-from meshslice import aot
+from meshslice import aot, backend_flags
 from meshslice.costmodel import tpu_schedule as ts
 aot.set_flags(*meshslice.backend_flags.tpu_overlap_flags("v4"))  # not ASYNC_FLAGS: see DESIGN 6b
 mesh = aot.make_mesh("v4:2x2x2", (2, 4))
