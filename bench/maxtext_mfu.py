@@ -58,6 +58,9 @@ _ANALYZE = flags.DEFINE_bool("analyze", False, "re-simulate saved programs; comp
 _WORKER = flags.DEFINE_string("worker", "", "internal: compile this one row here")
 _DENSE = flags.DEFINE_bool("dense", False, "also turn XLA's windowed einsum off (the "
                            "programs are saved as <row>_dense)")
+_PRESET = flags.DEFINE_string("preset", "", "compile under these meshslice flag presets for "
+                              "v5p instead of MaxText's 2023 flags, e.g. 'dense,async' "
+                              "(`aot.preset_flags`; programs saved as <row>_<preset>...)")
 _MESHSLICE = flags.DEFINE_bool("meshslice", False, "compile meshslice.transform(step), the "
                                "default plan, instead of MaxText's step (<row>[_dense]"
                                "_meshslice)")
@@ -153,17 +156,19 @@ def overrides(row: Published, layers: int) -> dict:
   }
 
 
-def program_name(row: str, dense: bool, plan: bool) -> str:
-  return row + ("_dense" if dense else "") + ("_meshslice" if plan else "")
+def program_name(row: str, dense: bool, plan: bool, preset: str = "") -> str:
+  return (row + (f"_{preset.replace(',', '-')}" if preset else "")
+          + ("_dense" if dense else "") + ("_meshslice" if plan else ""))
 
 
 def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
-                plan: bool = False) -> None:
+                plan: bool = False, preset: str = "") -> None:
   """Compile one row in this process (flags set before libtpu loads) and save it: MaxText's
   step, or (plan) `meshslice.transform` of it with the default plan."""
-  from meshslice.backend_flags import DENSE_FLAGS
+  from meshslice.backend_flags import DENSE_FLAGS, preset_flags
   from meshslice.costmodel import tpu_schedule
-  os.environ["LIBTPU_INIT_ARGS"] = " ".join((FLAGS_2023,) + (DENSE_FLAGS if dense else ()))
+  base = " ".join(preset_flags(preset, "v5p")) if preset else FLAGS_2023
+  os.environ["LIBTPU_INIT_ARGS"] = " ".join((base,) + (DENSE_FLAGS if dense else ()))
   os.environ.update(tpu_schedule.SCHEDULER_LOG_ENV)    # libtpu's scheduler totals
   here = os.path.dirname(os.path.abspath(__file__))
   sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
@@ -185,7 +190,7 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
     with tpu_schedule.capture_stderr() as log:
       compiled = step.lower(*args, **kwargs).compile(compiler_options=options)
   seconds = time.perf_counter() - start
-  stem = os.path.join(out_dir, program_name(row.name, dense, plan))
+  stem = os.path.join(out_dir, program_name(row.name, dense, plan, preset))
   with gzip.open(stem + ".hlo.gz", "wt") as f:
     f.write(compiled.as_text())
   with open(stem + ".lhs.log", "w") as f:
@@ -340,7 +345,7 @@ def main(argv):
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   if _WORKER.value:
     compile_row(BY_NAME[_WORKER.value], _LAYERS.value, _OUT_DIR.value, _DENSE.value,
-                _MESHSLICE.value)
+                _MESHSLICE.value, _PRESET.value)
     return
   names = _ROWS.value or list(BY_NAME)
   if not _ANALYZE.value:
@@ -349,7 +354,8 @@ def main(argv):
       done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--worker={name}",
                              f"--layers={_LAYERS.value}", f"--out_dir={_OUT_DIR.value}"]
                             + (["--dense"] if _DENSE.value else [])
-                            + (["--meshslice"] if _MESHSLICE.value else []))
+                            + (["--meshslice"] if _MESHSLICE.value else [])
+                            + ([f"--preset={_PRESET.value}"] if _PRESET.value else []))
       if done.returncode:
         print(f"{name}: compile failed (exit {done.returncode}) after "
               f"{time.perf_counter() - began:.0f} s", flush=True)
@@ -357,7 +363,9 @@ def main(argv):
   for name in names:
     if not os.path.exists(os.path.join(_OUT_DIR.value, name + ".meta.json")):
       print(f"{name}: no compiled program in {_OUT_DIR.value}")
-    for program in (program_name(name, d, p) for d in (False, True) for p in (False, True)):
+    presets = ("", _PRESET.value) if _PRESET.value else ("",)
+    for program in (program_name(name, d, p, f) for f in presets for d in (False, True)
+                    for p in (False, True)):
       if os.path.exists(os.path.join(_OUT_DIR.value, program + ".meta.json")):
         results.append(analyze_row(program, _OUT_DIR.value))
   with open(os.path.join(_OUT_DIR.value, "mfu.json"), "w") as f:

@@ -36,10 +36,6 @@ import sys
 
 FLAG_SETS = ("async", "async_dense", "default", "dense")
 
-_SPECS = {"os": (("x", "y"), ("x", "y")), "ls": (("x", "y"), ("y", "x")),
-          "rs": (("y", "x"), ("x", "y"))}
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Case:
   """One GEMM site: dataflow, global sizes, element type, and a label for reports."""
@@ -60,16 +56,6 @@ def flags_of(flag_set: str, generation: str | None = None) -> tuple:
   if flag_set not in presets:
     raise ValueError(f"flag set must be one of {FLAG_SETS}, got {flag_set!r}")
   return preset_flags(presets[flag_set], generation)
-
-
-def _geometry(case: Case, rows: int, cols: int, dtype):
-  from meshslice.rewrites import GemmGeometry
-  dims = {"os": dict(lhs_dim=1, rhs_dim=0, out_dim=None, global_extent=case.k),
-          "ls": dict(lhs_dim=None, rhs_dim=1, out_dim=1, global_extent=case.n),
-          "rs": dict(lhs_dim=0, rhs_dim=None, out_dim=0, global_extent=case.m)}[case.dataflow]
-  return GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow=case.dataflow,
-                      row_axis="x", col_axis="y", row_size=rows, col_size=cols,
-                      out_dtype=dtype, **dims)
 
 
 # the record's figures, in this order (costmodel.compiler_fit and bench/tpu_rank read them)
@@ -114,16 +100,18 @@ def compile_cases(topology: str, mesh_shape, cases, flag_set: str, *, ksplits=(1
   rows, cols = (int(v) for v in mesh_shape)
   mesh = aot.make_mesh(topology, (rows, cols))
   out_sharding = NamedSharding(mesh, P("x", "y"))
+  from meshslice.rewrites import build_body, plain_gemm
   records = []
   for case in cases:
     dtype = jnp.dtype(case.dtype)
-    specs = tuple(P(*s) for s in _SPECS[case.dataflow])
+    # the one table of the plain GEMM's layouts per dataflow (rewrites.plain_gemm)
+    geometry, lhs_axes, rhs_axes = plain_gemm(case.dataflow, case.m, case.k, case.n, rows,
+                                              cols, dtype)
+    specs = (P(*lhs_axes), P(*rhs_axes))
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
             for shape, s in zip(((case.m, case.k), (case.k, case.n)), specs)]
     programs = {"xla": jax.jit(lambda a, b: a @ b, out_shardings=out_sharding)}
     if flag_set == "async":
-      from meshslice.rewrites import build_body
-      geometry = _geometry(case, rows, cols, dtype)
       for ksplit in ksplits:
         if ksplit not in geometry.valid_ksplits():
           continue

@@ -17,7 +17,7 @@ DEFAULT_SHAPES = ("4096x4096x4096", "8192x8192x8192", "16384x4096x8192")
 DATAFLOWS = ("os", "ls", "rs")
 
 # the mesh axes each dim of an (M, K, N) GEMM is sharded over, per dataflow: the operand
-# specs of aot_sites._SPECS and the output's P("x", "y"), with mesh axes x = R, y = C
+# layouts of rewrites.plain_gemm and the output's P("x", "y"), with mesh axes x = R, y = C
 _SHARDED_OVER = {"os": ("R", "RC", "C"), "ls": ("R", "C", "RC"), "rs": ("RC", "R", "C")}
 
 
