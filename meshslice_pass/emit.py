@@ -275,7 +275,7 @@ def _holds_gathers_back(site) -> bool:
 
 def _in_loop(site) -> bool:
   """Whether `site` is inside a `scan` or `while` body."""
-  return bool({"scan", "while"} & set(site.context.split(" > ")))
+  return bool({"scan", "while"} & set(site.scopes))
 
 
 # Which operands a 2D dataflow communicates (gathers or passes around the ring).

@@ -101,6 +101,9 @@ class Site:
   profile: object = dataclasses.field(default=None, repr=False, compare=False)
   # how often the site runs per call: the product of its enclosing scans' lengths
   runs: int = dataclasses.field(default=1, repr=False, compare=False)
+  # the enclosing higher-order primitives, outermost first ("scan", "while", ...): the
+  # parts `context` joins for display, for code that asks what a site is inside
+  scopes: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
   @property
   def label(self) -> str:
@@ -266,6 +269,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
       module=_module(module_path(eqn, [scope for *_, scope in context], call_chain=False),
                      param, lambda: module_path(eqn, [scope for *_, scope in context])),
       context=" > ".join(name for name, *_ in context) or "top",
+      scopes=tuple(name for name, *_ in context),
       direction="backward" if "transpose" in stack or any(t for _, t, *_ in context)
       else "forward",
       lhs_shape=tuple(lhs.aval.shape), rhs_shape=tuple(rhs.aval.shape),
@@ -306,7 +310,7 @@ def _hold_gathers(site, request):
 
 
 # What differs between two sites with the same decision.
-_IDENTITY = ("index", "path", "source", "module", "context", "direction")
+_IDENTITY = ("index", "path", "source", "module", "context", "scopes", "direction")
 
 
 def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec, rhs_spec,

@@ -137,7 +137,7 @@ def test_weight_gradients_inside_a_scan_body_are_not_tied():
                  in_shardings=(jax.tree.map(lambda a: a.sharding, params), x.sharding))
   fast = meshslice.transform(step)
   weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
-  assert weight_grads and all("scan" in s.context.split(" > ") for s in weight_grads)
+  assert weight_grads and all("scan" in s.scopes for s in weight_grads)
   assert _tied_gathers(fast, params, x) == 0
   out = fast(params, x)
   assert_trees_close(out, step(params, x))
@@ -194,7 +194,7 @@ def test_hold_gathers_true_ties_weight_gradients_inside_a_scan_body_too():
   scanned_loss, step = _scanned_step(params, x)
   fast = meshslice.transform(step, hold_gathers=True)
   weight_grads = [s for s in fast.explain(params, x).rewritten if s.swapped]
-  assert weight_grads and all("scan" in s.context.split(" > ") for s in weight_grads)
+  assert weight_grads and all("scan" in s.scopes for s in weight_grads)
   assert _tied_gathers(fast, params, x) == len(weight_grads)
   assert _tied_gathers(meshslice.transform(step), params, x) == 0
   out = fast(params, x)

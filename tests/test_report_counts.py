@@ -59,6 +59,18 @@ def test_runs_changes_no_plan_report_text_or_site_equality():
   assert once.predicted_step_seconds == once.predicted_seconds
 
 
+def test_scopes_are_the_parts_of_context():
+  report = _nested_scans_report()
+  assert [s.scopes for s in report.sites] == [("scan", "scan"), ("scan",), ()]
+  assert all((" > ".join(s.scopes) or "top") == s.context for s in report.sites)
+  # not part of site equality, repr, plan JSON or report text
+  bare = dataclasses.replace(report, sites=tuple(dataclasses.replace(s, scopes=())
+                                                 for s in report.sites))
+  assert bare.sites == report.sites and "scopes" not in repr(report.sites[0])
+  assert bare.plan.to_json() == report.plan.to_json()
+  assert "scopes" not in report.plan.to_json() and str(bare) == str(report)
+
+
 def test_scan_length_reads_scans_only():
   closed = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ c, None), x, None,
                                                  length=3)[0])(jnp.ones((2, 2)))
