@@ -28,8 +28,8 @@ from .profiles import HardwareProfile, load_profile
 # which both rules rank by, is called as timing.predict
 from .timing import ALGORITHMS, DATAFLOWS, Cost, GemmProblem, wang_ring_axis, why_invalid
 
-# The default candidates: the algorithms the pass chooses among by itself (the same set as
-# meshslice.costing.AUTO_ALGORITHMS, which this package cannot import). cannon, wang and
+# The default candidates: the algorithms the pass chooses among by itself
+# (meshslice.costing.AUTO_ALGORITHMS is this tuple, re-exported). cannon, wang and
 # summa are emitted only when pinned, so a default that ranked them would recommend plans
 # the pass never makes unasked.
 EMITTABLE = ("collective", "meshslice")

@@ -25,12 +25,14 @@ import jax.numpy as jnp
 from meshslice import costmodel
 # the plan-choice rule's names, at their old home (the planner, tests and benches use them)
 from meshslice.costmodel.site_choice import (  # noqa: F401
-    NEAR_TIE, NO_PLAN_FITS, XLA_MARGIN, PlanChoice, choose, leave_to_xla, predict, xla_program)
+    EMITTABLE, NEAR_TIE, NO_PLAN_FITS, XLA_MARGIN, PlanChoice, choose, leave_to_xla, predict,
+    xla_program)
 from meshslice.costmodel.timing import copy_time, permute_time
 
 # Candidates tried in this order; a later one must be strictly faster to win, so ties go
-# to the simpler algorithm and the smaller ksplit.
-AUTO_ALGORITHMS = ("collective", "meshslice")
+# to the simpler algorithm and the smaller ksplit. The cost model's default candidates
+# (`site_choice.EMITTABLE`), one tuple: the autotuner ranks what the pass chooses among.
+AUTO_ALGORITHMS = EMITTABLE
 
 
 def model_dataflow(dataflow: str) -> str:

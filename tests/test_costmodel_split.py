@@ -68,4 +68,4 @@ def test_costing_re_exports_the_pass_rule():
                                "choose", "leave_to_xla", "predict", "xla_program"])
   assert costing.Choice is site_choice.PlanChoice
   # the pass's candidates are the autotuner's default ones
-  assert costing.AUTO_ALGORITHMS == site_choice.EMITTABLE
+  assert costing.AUTO_ALGORITHMS is site_choice.EMITTABLE
