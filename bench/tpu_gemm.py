@@ -29,6 +29,11 @@ _WORKER = flags.DEFINE_enum("worker", None, ["dense", "async"],
                             "internal: compile under this flag set and print JSON lines")
 _OUT = flags.DEFINE_string("out", None, "also write the records as JSON lines here")
 
+# Not `meshslice.aot_sites.compile_cases`, whose programs and records differ from these:
+# its "async" set is the generation's flags (`preset_flags`; here the continuation-fusion
+# group, `FLAG_PRESETS["async"]`), its mesh is `aot.make_mesh`'s device order (here the
+# topology's own), it compiles XLA's program under every flag set, and its records carry
+# the fit's figures, not `summarize`'s collective counts and overlap cycles.
 def compile_variants(flag_set: str) -> list[dict]:
   """Compile, in this process, every variant that `flag_set` is used for."""
   from meshslice import aot
