@@ -302,8 +302,9 @@ def leave_to_xla(best_seconds, best_is_collective, xla, margin=XLA_MARGIN, *,
   same_program: the collective rewrite compiles to the very program XLA would run for
   the site (CPU and GPU meshes: the same synchronous all-gathers, dot and
   reduce-scatter), so a tie with XLA's dense program keeps it. Not on TPU, where XLA
-  schedules its own collectives under the async flags and may partition differently
-  (issue 18: a MaxText-style step re-emitting such ties simulated 1.33x slower).
+  schedules its own collectives under the async flags and may partition differently, so
+  re-emitting such ties can make a step slower than XLA's (docs/benchmarks-log.md, "Fair
+  rivals under safe flags").
 
   Example:
     >>> from meshslice.costmodel.xla_baseline import XlaProgram

@@ -76,10 +76,9 @@ class Emitter:
 
   def _nests(self, site) -> bool:
     """Whether `site` runs as its own computation (`rewrites.nesting`): on the CPU
-    compiler, pipelined sites (any algorithm but the collective one). Measured on the
-    demo step with ksplit 4 at 8 layers: unrolled, compile 16.7 -> 8.1 s, temp 4.73 ->
-    3.69 MiB, step 169 -> 200 ms; scanned, compile 2.06 -> 1.86 s, temp 1.73 -> 1.38
-    MiB, step 156 -> 165 ms."""
+    compiler, pipelined sites (any algorithm but the collective one). It shortens the
+    compile and lowers temp memory at some step time (docs/benchmarks-log.md, "Pass cost,
+    XLA compile and temp memory")."""
     return self.nests_pipelines and site.algorithm != "collective"
 
   def _plan_key(self, site):
@@ -222,11 +221,11 @@ def _heads_reshape(jaxpr, i, site, users, axis_sizes):
   such a reshape into the dot (the weight's free dim is split, the dot writes the 4-d
   result) and lays the result out for the scores matmul; behind a shard_map boundary it
   cannot, and libtpu relayouts q and k inside the scores fusion, which then no longer
-  fuses with the softmax. Measured on GPT-3 at 256 v4 chips (64x4, collective plan):
-  compute 146.5 -> 141.3 ms, libtpu peak 5.15 -> 4.94 GiB. So the site does the split
-  itself, when it is an os site of an algorithm that gathers whole operand slices, the
-  reshape is its result's only use, splits only the last dim (the rhs's only free dim),
-  and the heads divide over that dim's mesh axes.
+  fuses with the softmax: more compute and a higher peak (docs/design.md, "Algorithms";
+  docs/benchmarks-log.md, "The headline now: projections that write attention heads
+  themselves"). So the site does the split itself, when it is an os site of an algorithm
+  that gathers whole operand slices, the reshape is its result's only use, splits only
+  the last dim (the rhs's only free dim), and the heads divide over that dim's mesh axes.
   """
   eqn, geometry = jaxpr.eqns[i], site.geometry
   if (site.swapped or site.algorithm not in _SPLITS_RHS
@@ -260,16 +259,14 @@ def _holds_gathers_back(site) -> bool:
   (option hold_gathers="auto"), when the target is the CPU compiler: weight gradients
   (swapped sites) outside loop bodies. The option or a pin decides otherwise: holding
   weight gradients back inside a scanned layer trades a little step time for a lower
-  peak on the TPU compiler (docs/benchmarks-log.md), so the measurements below hold for
-  the plans they were taken on, not every plan.
+  peak on the TPU compiler (docs/benchmarks-log.md), so the measurements behind this
+  default hold for the plans they were taken on, not every plan.
 
   Inside a `scan` / `while` body a hoisted gather stays within its iteration, and there
-  the tie costs more than it saves: on the TPU compiler (scanned GPT-3 and Megatron-NLG
-  layers at 32x8) it stops XLA from sharing the slices and gathers of x between sites
-  (+0.7 % and +1.5 % compute, peak memory +18 % and +6 %). TPU targets never tie: on 4
-  unrolled GPT-3 layers at 256 chips (64x4, default plan) the tie took temp memory from
-  8,327 to 9,082 MiB and compute from 601 to 612 Mcycles; libtpu's scheduler does not
-  hoist the gathers the way the CPU compiler's does."""
+  the tie costs more than it saves: on the TPU compiler it stops XLA from sharing the
+  slices and gathers of x between sites. TPU targets never tie: libtpu's scheduler does
+  not hoist the gathers the way the CPU compiler's does, so the tie only costs it memory
+  and compute (both: docs/benchmarks-log.md, "Pass cost, XLA compile and temp memory")."""
   return site.swapped and not _in_loop(site)
 
 
@@ -288,9 +285,9 @@ def _gathers_wait(body, geometry):
   Used for weight gradients outside loops (`_holds_gathers_back`): the forward activation
   they gather is ready long before the cotangent, and XLA would otherwise hoist its
   gather (and the checkpointed recomputation) into the forward pass, each gathered copy
-  live until its backward. Measured on the unrolled demo step (CPU, 8 layers): temp
-  memory 1.27x plain jit's without this, 0.72x with it. Values are bit for bit the same
-  (`rewrites.slicing.not_before`)."""
+  live until its backward; held back, an unrolled step's temp memory falls below plain
+  jit's on CPU (docs/benchmarks-log.md, "Pass cost, XLA compile and temp memory"). Values
+  are bit for bit the same (`rewrites.slicing.not_before`)."""
   if not isinstance(geometry, GemmGeometry):
     return body
   lhs_moves, rhs_moves = _MOVING[geometry.dataflow]

@@ -339,15 +339,13 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # Under SparseCore offload XLA's program hides a collective wherever independent work
   # can run beside it. In the backward pass the data- and weight-gradient matmuls of a
   # layer are independent, so the layout's collectives are hidden already and reshards
-  # predicted to win there lost when compiled (GPT-3 on 256 v6e chips: the forward
-  # reshard alone 82.70 ms, with one backward reshard 83.29, with all five 91.18). In
-  # the forward pass each matmul feeds the next: its collectives are waited on, and a
-  # reshard that moves fewer bytes wins (the MLP down-projection as ls: 1.06x on v6e,
-  # 1.03x on v5p; docs/benchmarks-log.md). So under offload only forward sites reshard on
-  # their own; a pinned dataflow always may. Only where that was measured: on tpu7x the
-  # same forward reshards compiled 1.47x slower than XLA (GPT-3 at seq 256 on
-  # tpu7x:2x2x1 as 2x4: the reshards' collective-permutes, which the SparseCore does not
-  # take, are waited on), so there no site reshards on its own.
+  # predicted to win there lost when compiled. In the forward pass each matmul feeds the
+  # next: its collectives are waited on, and a reshard that moves fewer bytes wins
+  # (docs/benchmarks-log.md, "Forward sites under SparseCore offload"). So under offload
+  # only forward sites reshard on their own; a pinned dataflow always may. Only where that
+  # was measured: on tpu7x the same forward reshards compiled slower than XLA (the
+  # reshards' collective-permutes, which the SparseCore does not take, are waited on;
+  # docs/benchmarks.md, "Ironwood (tpu7x)"), so there no site reshards on its own.
   offloaded = site.profile is not None and _offloaded(ctx, site.profile)
   automatic = ctx.options.relayout and (
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(

@@ -55,11 +55,9 @@ class SlicedSites:
   one of `modules` (fnmatch patterns); every other site as that plan has it.
 
   The per-site model cannot see which sites' gathers are left exposed in the compiled
-  schedule; slicing only those can pay where slicing every site does not. Measured on
-  GPT-3 at 256 v4 chips (64x4, one layer, dense + async + all-to-all flags): the
-  collective plan with all-to-all reduce-scatters 166.9 ms, the same plan with only its
-  six ls sites (the input gradients, which gather weights over the 64-chip axis) sliced
-  in two 157.5 ms; XLA's program 189.9 ms.
+  schedule; slicing only those can pay where slicing every site does not (on GPT-3, the
+  ls sites, whose weight gathers libtpu had left synchronous: docs/benchmarks-log.md,
+  "The tuned plan: only the ls sites sliced").
 
   >>> SlicedSites("collective+all_to_all", "ls", 2).dataflow
   'ls'
