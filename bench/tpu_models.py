@@ -51,6 +51,8 @@ from importlib.metadata import version
 
 from absl import app, flags
 
+import explain_accuracy
+
 _MODEL = flags.DEFINE_string("model", "gpt3", "gpt3, megatron, or custom:<heads>x<head_dim>")
 _TOPOLOGY = flags.DEFINE_string("topology", "v4:8x8x4", "TPU topology to compile for")
 _MESH = flags.DEFINE_string("mesh", "64x4", "mesh shape RxC (axes x, y)")
@@ -107,14 +109,16 @@ def plans(step, params, data, mesh, profile: str) -> dict:
   return out
 
 
-def describe(fn, params, data, mesh) -> list:
-  """The rewritten sites' decisions, counted."""
+def describe(fn, params, data, mesh) -> tuple:
+  """(the rewritten sites' decisions, counted; what explain predicts for the sites it
+  priced against XLA, `explain_accuracy.predicted_by_explain`)."""
   import jax
   with jax.set_mesh(mesh):
     report = fn.explain(params, data)
   counts = report.plan_counts(reduce_scatter=True)
-  return [f"{n}x {k}" for k, n in counts.items()] + [
+  decisions = [f"{n}x {k}" for k, n in counts.items()] + [
       f"{len(report.sites) - len(report.rewritten)} left to XLA"]
+  return decisions, explain_accuracy.predicted_by_explain(report)
 
 
 def read(compiled, seconds: float, log_text: str, mesh, shape, profile: str) -> dict:
@@ -293,7 +297,7 @@ def main(argv):
   with open(jsonl, "w") as out:
     for name in wanted:
       fn = step if name == "xla" else meshslice.transform(step, **options[name])
-      decisions = [] if name == "xla" else describe(fn, params, data, mesh)
+      decisions, predicted = ([], None) if name == "xla" else describe(fn, params, data, mesh)
       if decisions:
         print(f"{name}: {', '.join(decisions)}", flush=True)
       began = time.perf_counter()
@@ -315,6 +319,8 @@ def main(argv):
       with open(stem + ".lhs.log", "w") as f:
         f.write(_lhs_lines(log.text) + "\n")
       figures = read(compiled, seconds, log.text, mesh, shape, profile)
+      if predicted is not None and predicted["sites_compared"]:
+        figures["explain"] = predicted      # a pinned plan (tuned) is not compared
       del compiled
       records[name] = figures
       ab, rt, lhs = figures["alpha-beta"], figures["routed-links"], figures["libtpu-lhs"]
@@ -339,6 +345,11 @@ def main(argv):
   print(ratio_table(by_program))
   print("\nwhere the exposed time goes:")
   print(exposure(records, _TOP.value))
+  for name, figures in records.items():
+    if "explain" in figures and "xla" in records:
+      told = explain_accuracy.versus_compiled(records["xla"], figures,
+                                              ("alpha-beta", "routed-links"))
+      print(f"{name}: {told}")
   if claims:
     parts = [f"{n} {'—' if r is None else format(r, '.3f') + 'x'}"
              for n, (r, _) in claims.items()]

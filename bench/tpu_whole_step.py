@@ -36,6 +36,8 @@ from importlib.metadata import version
 
 from absl import app, flags
 
+import explain_accuracy
+
 _MODEL = flags.DEFINE_string("model", "gpt3", "a meshslice.whole_step preset: gpt3, "
                              "megatron, llama70b, tiny, tiny_llama")
 _TOPOLOGY = flags.DEFINE_string("topology", "v4:8x8x4", "TPU topology to compile for")
@@ -182,6 +184,7 @@ def main(argv):
         with jax.set_mesh(mesh):
           report = fn.explain(params, opt, data)
         plan = f"{report.summary()}; rewritten: {decisions(report)}"
+        predicted = explain_accuracy.predicted_by_explain(report)
         print(f"meshslice plan: {plan}", flush=True)
       began = time.perf_counter()
       try:
@@ -197,6 +200,8 @@ def main(argv):
         with open(os.path.join(_OUT_DIR.value, f"{tag}_{name}.hlo"), "w") as f:
           f.write(compiled.as_text())
       figures = read(compiled, seconds, mesh, shape, profile)
+      if name == "meshslice":
+        figures["explain"] = predicted
       del compiled
       records[name] = figures
       print(f"{name}: compiled in {seconds:.0f} s; alpha-beta "
@@ -220,6 +225,8 @@ def main(argv):
   for n, (r, m) in least.items():
     print(f"\nleast favourable: {n} {'—' if r is None else format(r, '.3f') + 'x'} vs XLA "
           f"({m})")
+  if "xla" in records and "explain" in records.get("meshslice", {}):
+    print(explain_accuracy.versus_compiled(records["xla"], records["meshslice"], MODELS))
   print(f"wall {time.perf_counter() - start:.0f} s; JSON lines: {jsonl}")
 
 

@@ -94,6 +94,9 @@ class Site:
   swapped: bool = False
   predicted_seconds: float | None = None
   baseline_seconds: float | None = None
+  # XLA's own program for the site as the planner priced it (`costing.xla_program`),
+  # where the plan was compared with it: `Report.xla_sites_seconds` sums it
+  xla_seconds: float | None = dataclasses.field(default=None, repr=False, compare=False)
   geometry: GemmGeometry | None = dataclasses.field(default=None, repr=False, compare=False)
   specs: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
   problem: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -428,10 +431,10 @@ def _versus_xla(best, site, ctx, request, base):
         best.note, f"XLA's own program ({xla.description}) does not fit HBM either"))
   if not costing.leave_to_xla(best.predicted_seconds, collective, xla,
                               same_program=_compiles_as_xla(ctx)):
-    return dataclasses.replace(best, note=_join(
+    return dataclasses.replace(best, xla_seconds=xla.seconds, note=_join(
         best.note, f"XLA's own program ({xla.description}): {xla.seconds * 1e6:.1f} us"))
   plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
-  return Site(rewritten=False, predicted_seconds=xla.seconds,
+  return Site(rewritten=False, predicted_seconds=xla.seconds, xla_seconds=xla.seconds,
               baseline_seconds=site.baseline_seconds, profile=profile,
               reason=(f"{pins.LEFT_TO_XLA}: the best rewrite ({plan}) "
                       f"{best.predicted_seconds * 1e6:.1f} us is not predicted faster than "

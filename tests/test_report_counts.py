@@ -14,7 +14,7 @@ from meshslice import _jax_internals
 from helpers import mesh
 
 
-def _nested_scans_report():
+def _nested_scans_report(**options):
   """x @ w inside a scan of 3 inside a scan of 2, then @ v in the outer scan's body and
   once more outside both."""
   msh = mesh((2, 4))
@@ -32,7 +32,7 @@ def _nested_scans_report():
   x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=xs)
   w = jax.ShapeDtypeStruct((2, 3, 512, 512), jnp.float32, sharding=ws)
   v = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=xs)
-  return meshslice.explain(f, profile="tpu-v4")(x, w, v)
+  return meshslice.explain(f, profile="tpu-v4", **options)(x, w, v)
 
 
 def test_runs_is_the_product_of_the_enclosing_scan_lengths():
@@ -55,8 +55,11 @@ def test_runs_changes_no_plan_report_text_or_site_equality():
   assert once.sites == report.sites and once == report
   assert "runs" not in repr(report.sites[0])
   assert once.plan.to_json() == report.plan.to_json() and "runs" not in report.plan.to_json()
-  assert str(once) == str(report)
+  # the report's text is per listed site, except the step's sum against XLA's program
+  per_step = lambda text: [l for l in text.splitlines() if "priced against XLA" not in l]
+  assert per_step(str(once)) == per_step(str(report))
   assert once.predicted_step_seconds == once.predicted_seconds
+  assert once.xla_sites_seconds < report.xla_sites_seconds
 
 
 def test_scopes_are_the_parts_of_context():
@@ -69,6 +72,27 @@ def test_scopes_are_the_parts_of_context():
   assert bare.sites == report.sites and "scopes" not in repr(report.sites[0])
   assert bare.plan.to_json() == report.plan.to_json()
   assert "scopes" not in report.plan.to_json() and str(bare) == str(report)
+
+
+def test_sites_priced_against_xla_add_up_per_step():
+  report = _nested_scans_report()
+  # tpu-v4's compiler terms: every automatic site is priced against XLA's own program
+  assert report.compared == list(report.sites)
+  assert all(s.xla_seconds > 0 for s in report.sites)
+  assert report.xla_sites_seconds == sum(s.xla_seconds * s.runs for s in report.sites)
+  assert report.plan_sites_seconds == sum(s.predicted_seconds * s.runs
+                                          for s in report.sites)
+  xla, plan = report.xla_sites_seconds, report.plan_sites_seconds
+  assert (f"the 3 sites priced against XLA's own program: {plan * 1e6:.1f} us vs "
+          f"{xla * 1e6:.1f} us per step ({xla / plan:.2f}x; nothing else of the step "
+          "priced)") in str(report)
+  # not part of site equality, repr or plan JSON
+  assert "xla_seconds" not in repr(report.sites[0])
+  assert "xla_seconds" not in report.plan.to_json()
+  # no XLA candidate (xla_baseline="none"): nothing compared, no line
+  alone = _nested_scans_report(xla_baseline="none")
+  assert alone.compared == [] and alone.xla_sites_seconds == 0.0
+  assert "priced against XLA" not in str(alone)
 
 
 def test_scan_length_reads_scans_only():

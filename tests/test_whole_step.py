@@ -183,6 +183,18 @@ def test_the_bench_tables_ratios_under_both_link_models(bench_script):
   text = bench.table(records, by)
   assert "| meshslice | alpha-beta | 750.00 | 620.00 | 130.00 | 1.200x | 5.00 | 150 |" in text
   assert "| xla | routed-links | 1000.00 | 600.00 | 400.00 | 1 (base) | 6.00 | 200 |" in text
+  # explain's prediction beside the compiled ratio: its saving (80 ms) off XLA's step
+  records["meshslice"]["explain"] = {"sites_compared": 3, "xla_sites_s": 0.5,
+                                     "plan_sites_s": 0.42}
+  told = bench.explain_accuracy.versus_compiled(records["xla"], records["meshslice"],
+                                                bench.MODELS).splitlines()
+  assert told == [
+      "explain: 3 sites priced against XLA, predicted 420.00 vs 500.00 ms (1.190x for "
+      "those sites; saving 80.00 ms a step)",
+      "  alpha-beta: compiled 1.200x, predicted 1.098x (XLA's step less the saving): "
+      "error -8.5%",
+      "  routed-links: compiled 1.250x, predicted 1.087x (XLA's step less the saving): "
+      "error -13.0%"]
 
 
 def test_aot_model_step_plans_on_an_abstract_mesh():
