@@ -68,6 +68,7 @@ def test_two_processes_same_plan_and_loss_as_one(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(WORKER)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # compiles faster, same HLO
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, str(script), str(i), port, json.dumps(CONFIG),
                              json.dumps(OPTIONS)], stdout=subprocess.PIPE,
