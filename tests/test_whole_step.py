@@ -114,7 +114,8 @@ def test_the_tiny_step_matches_one_device_and_the_transformed_step_matches_both(
     assert_trees_close(plain, reference)
     assert_trees_close(got, plain)
   assert int(got[1]["count"]) == 1
-  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got[0], args[0])
+  moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                       got[0], args[0])     # on the host: no compile per parameter shape
   assert min(jax.tree.leaves(moved)) > 0.5 * cfg.learning_rate         # Adam stepped
 
 
