@@ -176,6 +176,9 @@ def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
   # the default plan leaves this site to XLA: the same program, not compiled twice
   assert results["default"].result is results["xla"].result
   assert lines[-1].startswith(f"tuned: {best.name} (")
+  # what it spent: xla and ksplit=2 compiled, default reused xla's program
+  assert "; 2 of 3 candidates compiled, the rest the same program as an earlier one; " \
+      in lines[-1]
   # the plan applies as any saved plan does, and is deterministic
   with jax.set_mesh(tpu):
     site, = meshslice.transform(f, plan=plan).explain(x, w).sites
