@@ -23,20 +23,10 @@ reader, so a reader that also re-exported them would import in a circle
 `Schedule`) still answer here, with a DeprecationWarning naming `CompiledOp` /
 `CompiledSchedule`.
 
-Example (a hand-written schedule; see tests/test_tpu_aot.py for compiled ones):
-  >>> text = '''
-  ... HloModule m, is_scheduled=true, num_partitions=4
-  ... ENTRY %main (p: bf16[1024,1024]) -> bf16[1024,1024] {
-  ...   %p = bf16[1024,1024]{1,0} parameter(0)
-  ...   %ag = bf16[4096,1024]{1,0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
-  ...   ROOT %f = bf16[1024,1024]{1,0} fusion(%ag), kind=kOutput, calls=%c,'''
-  >>> text += ''' backend_config={"estimated_cycles":"1050000"}
-  ... }'''
-  >>> s = read_schedule(text)
-  >>> [(op.name, op.kind, op.cycles) for op in s.expanded()]
-  [('p', 'other', 0), ('ag', 'collective', 0), ('f', 'other', 1050000)]
-  >>> summarize(s).compute_cycles, summarize(s).collective_count
-  (1050000, {'all-gather': 1})
+Example (the reader's own example is in `tpu_read`'s docstring):
+  >>> from meshslice.costmodel import tpu_read, tpu_simulate
+  >>> read_schedule is tpu_read.read_schedule, simulate is tpu_simulate.simulate
+  (True, True)
 """
 import warnings
 
