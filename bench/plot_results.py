@@ -72,10 +72,20 @@ def _mesh(record) -> tuple:
   return tuple(int(v) for v in (mesh.split("x") if isinstance(mesh, str) else mesh))
 
 
+def _chips(record) -> int:
+  """Chips of the record's topology ("tpu7x:16x16x4": 1024, though its mesh counts the
+  2048 TensorCores), else the mesh's devices."""
+  dims = str(record.get("topology", "")).partition(":")[2]
+  try:
+    return math.prod(int(v) for v in dims.split("x"))
+  except ValueError:
+    return math.prod(_mesh(record))
+
+
 def _setup(record) -> tuple:
   """(sort key, label) of the setup a record belongs to."""
   generation = str(record.get("topology", "?")).split(":")[0]
-  chips = math.prod(_mesh(record))
+  chips = _chips(record)
   layers = record.get("layers", 1)
   what = (f"whole step, {layers} layers" if "vocab" in record
           else f"{layers} layer{'s' if layers != 1 else ''}")

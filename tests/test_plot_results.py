@@ -81,6 +81,19 @@ def test_a_whole_step_run_with_options_is_not_called_the_default(bench_script, t
       ("v4 8 chips: tiny, whole step, 4 layers", 'meshslice {"ksplit": 2}')}
 
 
+def test_a_setup_counts_the_topologys_chips_not_the_meshs_devices(bench_script, tmp_path):
+  # tpu7x: two TensorCores a chip, each a device of the mesh
+  plot = bench_script("plot_results")
+  path = tmp_path / "w.jsonl"
+  _write(path, [{"model": "gpt3", "topology": "tpu7x:16x16x4", "mesh": "128x16",
+                 "layers": 4, "vocab": 50304, "program": "xla",
+                 "alpha-beta": _sim(1e-3), "routed-links": _sim(2e-3)},
+                {"model": "gpt3", "topology": "?", "mesh": "64x4", "layers": 1,
+                 "program": "xla", "alpha-beta": _sim(1e-3), "routed-links": _sim(2e-3)}])
+  assert {b.setup for b in plot.load([str(path)])} == {
+      "tpu7x 1024 chips: gpt3, whole step, 4 layers", "? 256 chips: gpt3, 1 layer"}
+
+
 def test_without_matplotlib_the_error_says_how_to_get_it(bench_script, results,
                                                          monkeypatch, tmp_path):
   plot = bench_script("plot_results")
