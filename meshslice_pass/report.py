@@ -126,7 +126,7 @@ class Report:
   def compared(self) -> list:
     """The sites the planner priced against XLA's own program for them (rewritten or
     left to XLA; `Site.xla_seconds` known): what `xla_sites_seconds` sums."""
-    return [s for s in self.sites if getattr(s, "xla_seconds", None) is not None]
+    return [s for s in self.sites if s.xla_seconds is not None]
 
   @property
   def xla_sites_seconds(self) -> float:

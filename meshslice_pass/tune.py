@@ -541,18 +541,19 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
       args = _onto(mesh, args)
     mesh_shape = mesh.devices.shape if mesh.devices.ndim == 2 else None
     out, reports, skipped = {}, {}, set()
-    compiles = [0]     # programs compiled (a candidate with an earlier one's decisions is not)
+    compiles = 0     # programs compiled (a candidate with an earlier one's decisions is not)
 
     def evaluate(name, plan, xla):
       """Compile `plan` (XLA's own program when `xla`) unless a candidate already has its
       decisions; record, echo and return its Candidate."""
+      nonlocal compiles
       same = next((c for c in out.values() if _decisions(c.plan) == _decisions(plan)), None)
       if same is not None:
         out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
       else:
         fn = step if xla else transform(step, profile=profile, plan=plan)
         compiled, seconds = aot.compile(fn, *args, mesh=mesh)
-        compiles[0] += 1
+        compiles += 1
         out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
             compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
         del compiled
@@ -614,6 +615,6 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
         f"; {len(eligible)} of {len(out)} candidates within max_peak={max_peak:g}x XLA's "
         f"peak, {budget / 2**30:.2f} GiB")
     echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program{budget_note}; "
-         f"{compiles[0]} of {len(out)} candidates compiled, the rest the same program as "
+         f"{compiles} of {len(out)} candidates compiled, the rest the same program as "
          f"an earlier one; flags: {out['xla'].result.flags or '(libtpu defaults)'})")
   return best.plan

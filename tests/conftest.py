@@ -5,14 +5,11 @@ import sys
 
 import pytest
 
-# --xla_backend_optimization_level=0: LLVM codegen without optimization passes. The
-# compiled HLO (what the tests read: collectives, fusions, schedules) is the same text
-# as at the default level (checked on the GPT step, plain and transformed); only the
-# machine code is less optimized, which the suite's tiny shapes do not notice. It about
-# halves XLA's CPU compile time, most of the suite's time (test_model's steps: 40 -> 18 s
-# of compiling each). Subprocesses that drop XLA_FLAGS compile at the default level.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0")
+# eight emulated CPU devices and fast codegen (cpu_flags.py); subprocesses that drop
+# XLA_FLAGS compile at the default level
+from cpu_flags import CPU_XLA_FLAGS  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
 
 import jax  # noqa: E402
 

@@ -23,6 +23,8 @@ from meshslice.costmodel import (GemmEfficiency, GemmProblem, load_profile, pred
                                  save_profile)
 from meshslice.hlo import collective_stats
 
+from cpu_flags import CPU_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(layers=2, batch=4, seq=8, hidden=32, heads=2, ffn=64)
 
@@ -31,9 +33,7 @@ def _bench(name, *flags, timeout=300):
   """Run bench/<name>.py with `flags`; returns its stdout. The timeout guards against a
   hang, not speed: the transformer bench took 60 s beside the suite's other worker."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  # the scripts' own 8 devices, and codegen that compiles faster (same HLO: conftest.py)
-  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0")
+  env["XLA_FLAGS"] = CPU_XLA_FLAGS     # the scripts' own 8 devices, fast codegen
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), *flags],
                         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

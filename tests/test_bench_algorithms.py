@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from cpu_flags import CPU_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--hidden=32", "--tokens=64", "--meshes=2x2,2x4", "--sites=mlp_up",
         "--ksplits=2", "--repeats=1", "--warmup=0"]
@@ -12,10 +14,7 @@ ALL = {"gspmd", "collective", "meshslice-s2", "cannon", "wang", "wang-bidi", "su
 
 
 def test_tiny_run_has_every_algorithm_and_exact_byte_ratios():
-  # --xla_backend_optimization_level=0: compiles faster, same compiled HLO (conftest.py)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=CPU_XLA_FLAGS, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "algorithms.py"), *TINY],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

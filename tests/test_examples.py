@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from cpu_flags import CPU_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -19,10 +21,8 @@ pytest.importorskip("optax")
 
 
 def _run(script, *flags):
-  # --xla_backend_optimization_level=0: compiles faster, same compiled HLO (conftest.py)
   env = dict(os.environ, JAX_PLATFORMS="cpu", MESHSLICE_EXAMPLE_TINY="1",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                       "--xla_backend_optimization_level=0")
+             XLA_FLAGS=CPU_XLA_FLAGS)
   proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--tiny", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, (f"{script} exited {proc.returncode}:\n"

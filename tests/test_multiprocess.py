@@ -20,6 +20,8 @@ import numpy as np
 import meshslice
 from meshslice import gpt
 
+from cpu_flags import FAST_CODEGEN
+
 CONFIG = dict(layers=1, batch=4, seq=8, hidden=32, heads=2, ffn=64)
 OPTIONS = dict(algorithm="meshslice", ksplit=2, profile="tpu-v4")
 
@@ -68,7 +70,7 @@ def test_two_processes_same_plan_and_loss_as_one(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(WORKER)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # compiles faster, same HLO
+  env["XLA_FLAGS"] = FAST_CODEGEN     # compiles faster, same HLO (cpu_flags.py)
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, str(script), str(i), port, json.dumps(CONFIG),
                              json.dumps(OPTIONS)], stdout=subprocess.PIPE,
