@@ -242,25 +242,28 @@ def test_libtpu_refuses_the_chip_config_flag_maxtext_sets():
 
 
 def test_aot_cli_on_tpu7x(tmp_path):
-  """`python -m meshslice aot` on Ironwood, the smallest model the CLI has (gpt3) at a
-  short sequence (32 tokens: the same 68 collectives, 56 async, as at 128, compiled in
-  54 s instead of 76 s here): the rewrite's variant only, planned and simulated with
-  tpu-v7x, compiled under TPU7X_FLAGS."""
+  """`python -m meshslice aot` on Ironwood, the smallest model the CLI has (the tiny
+  whole-step preset, one layer: 68 collectives, 42 async; libtpu compiles it in ~15 s,
+  where the layer step's smallest, gpt3 at 32 tokens, took ~40 s: its 12288-wide
+  weights): the rewrite's variant only, planned and simulated with tpu-v7x, compiled
+  under TPU7X_FLAGS. The layer step's own TPU compile is bench/tpu_models.py's
+  (test_bench_models), its path through the CLI test_fresh_process's."""
   pytest.importorskip("libtpu")
   out = tmp_path / "rows.json"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "meshslice", "aot", "--model", "gpt3", "--topology",
-       "tpu7x:2x2x1", "--mesh", "2x4", "--seq", "32", "--batch", "2",
-       "--variants", "meshslice", f"--json={out}"],
+      [sys.executable, "-m", "meshslice", "aot", "--whole", "--model", "tiny", "--layers",
+       "1", "--topology", "tpu7x:2x2x1", "--mesh", "2x4", "--variants", "meshslice",
+       f"--json={out}"],
       capture_output=True, text=True, env=env, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   row = json.loads(out.read_text())["meshslice"]
   assert row["ici_profile"] == "tpu-v7x@2x4" and row["step_s"] > row["compute_s"] > 0
   assert row["flags"] == " ".join(backend_flags.TPU7X_FLAGS)
   assert row["async_collectives"] > 0                       # offloaded to the SparseCore
-  assert "gpt3 step (1 layer(s), fwd+bwd, 32 tokens per sequence) on tpu7x:2x2x1" in proc.stdout
+  assert ("tiny whole step (embeddings, 1 layer(s), fwd+bwd, loss, Adam) on tpu7x:2x2x1"
+          in proc.stdout)
   assert "meshslice report: mesh x=2 x y=4, profile tpu-v7x" in proc.stdout
 
 
