@@ -282,11 +282,13 @@ def test_fit_finds_the_size_from_which_the_last_slice_scatter_converts():
 
 @pytest.mark.skipif(not aot.have_libtpu(), reason="needs libtpu (pip install -e '.[tpu]')")
 def test_calibrate_aot_writes_a_profile_the_planner_reads(tmp_path):
+  # 1024 cubed: libtpu compiles its programs in a third of 2048 cubed's time; the fitted
+  # dot efficiency is ~0.72 there (~0.83 at 2048)
   out = tmp_path / "v4.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
       [sys.executable, "-m", "meshslice", "calibrate", "--aot", "v4:2x2x1", "--mesh", "2x2",
-       "--shapes", "2048x2048x2048", "--dataflows", "os", "--ksplits", "1,2",
+       "--shapes", "1024x1024x1024", "--dataflows", "os", "--ksplits", "1,2",
        "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
   assert proc.returncode == 0, proc.stderr[-2000:]
   terms = xla_baseline.read_terms(str(out))
