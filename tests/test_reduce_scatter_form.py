@@ -48,10 +48,22 @@ def _demo():
   return cfg, m, gpt.make_step(cfg, m, donate=False), gpt.place(cfg, m)
 
 
+@pytest.fixture(scope="module")
+def demo_run():
+  """The demo step and its outputs under plain jit and on one device (no sharding at
+  all): computed once for both options below (each is a compile of the whole step)."""
+  cfg, m, step, (params, batch) = _demo()
+  plain = step(params, batch)
+  with jax.default_device(jax.devices()[0]):
+    single = jax.jit(lambda p, b: gpt.train_step(cfg, p, b))(
+        *jax.device_get((params, batch)))
+  return step, params, batch, plain, single
+
+
 @pytest.mark.parametrize("options", [{"algorithm": "collective"},
                                      {"algorithm": "meshslice", "ksplit": 2}])
-def test_all_to_all_sites_match_plain_jit_and_the_unsharded_run(options):
-  cfg, m, step, (params, batch) = _demo()
+def test_all_to_all_sites_match_plain_jit_and_the_unsharded_run(options, demo_run):
+  step, params, batch, old, single = demo_run
   fast = meshslice.transform(step, reduce_scatter="all_to_all", **options)
   report = fast.explain(params, batch)
   forms = {(s.dataflow, s.reduce_scatter) for s in report.rewritten}
@@ -65,11 +77,8 @@ def test_all_to_all_sites_match_plain_jit_and_the_unsharded_run(options):
   assert "reduce_sum" not in jaxpr.split("all_to_all")[1]
   default = str(jax.make_jaxpr(meshslice.transform(step, **options))(params, batch))
   assert "reduce_scatter" in default and "all_to_all" not in default
-  new, old = fast(params, batch), step(params, batch)
+  new = fast(params, batch)
   assert_trees_close(new, old)
-  with jax.default_device(jax.devices()[0]):     # one device: no sharding at all
-    single = jax.jit(lambda p, b: gpt.train_step(cfg, p, b))(
-        *jax.device_get((params, batch)))
   assert_trees_close(new, single)
 
 
