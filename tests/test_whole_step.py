@@ -238,7 +238,7 @@ def test_aot_model_step_whole_is_the_whole_step_on_an_abstract_mesh():
     aot.model_step("tiny", small)
 
 
-def test_aot_cli_whole_compiles_the_whole_step(tmp_path):
+def test_aot_cli_whole_compiles_the_whole_step(tmp_path, capsys):
   """`python -m meshslice aot --whole` compiles whole_step's step (the tiny preset on
   v4:2x2x2; 4 layers by default), plain and rewritten, each in its own process, and
   prints the usual table."""
@@ -260,12 +260,14 @@ def test_aot_cli_whole_compiles_the_whole_step(tmp_path):
   rows = json.loads(out.read_text())
   assert set(rows) == {"plain", "meshslice"}
   assert all(r["step_s"] > r["compute_s"] > 0 for r in rows.values())
-  # a preset outside the layer step's models needs --whole; sizes must divide the mesh
-  wrong = subprocess.run([sys.executable, "-m", "meshslice", "aot", "--model", "tiny",
-                          "--topology", "v4:2x2x2", "--mesh", "2x4"],
-                         capture_output=True, text=True, env=env, timeout=120)
-  assert wrong.returncode == 2 and "need --whole" in wrong.stderr
-  wrong = subprocess.run([sys.executable, "-m", "meshslice", "aot", "--whole", "--model",
-                          "tiny", "--topology", "v4:2x2x2", "--mesh", "1x8"],
-                         capture_output=True, text=True, env=env, timeout=120)
-  assert wrong.returncode == 2 and "sizes do not divide the mesh 1x8" in wrong.stderr
+  # a preset outside the layer step's models needs --whole; sizes must divide the mesh.
+  # Usage errors, raised before libtpu loads: the CLI's main in this process (no jax
+  # start-up per case)
+  from meshslice import aot_cli
+  for argv, error in ((["--model", "tiny", "--mesh", "2x4"], "need --whole"),
+                      (["--whole", "--model", "tiny", "--mesh", "1x8"],
+                       "sizes do not divide the mesh 1x8")):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as wrong:
+      aot_cli.main(argv + ["--topology", "v4:2x2x2"])
+    assert wrong.value.code == 2 and error in capsys.readouterr().err
