@@ -351,7 +351,7 @@ aot.set_flags(*meshslice.backend_flags.tpu_overlap_flags("v4"))  # not ASYNC_FLA
 mesh = aot.make_mesh("v4:2x2x2", (2, 4))
 s = NamedSharding(mesh, P("x", "y"))
 f = jax.jit(lambda a, b: a @ b, in_shardings=(s, s), out_shardings=s)
-x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=s)
+x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=s)   # 4096: 2x the compile
 c, _ = aot.compile(meshslice.transform(f, algorithm="meshslice", ksplit=4), x, x, mesh=mesh)
 sched = ts.read_schedule(c.as_text())
 starts = [op for op in sched.expanded() if op.kind == "start"]
