@@ -51,6 +51,8 @@ _MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multip
 _REFINE = flags.DEFINE_integer("refine", 0, "tune's sweeps of local search from the "
                                 "fastest candidate within --max_peak (0: none)")
 _JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "keep compiled candidates here and read "
+                                 "back those compiled before (tune's cache_dir)")
 
 
 def candidates(names: list, held: list, sliced: tuple = ()) -> dict:
@@ -129,7 +131,8 @@ def main(argv):
   plan = meshslice.tune(step, params, data, mesh=mesh, results=results, echo=print,
                         candidates=candidates(_CANDIDATES.value, _HELD.value,
                                               _SLICED.value),
-                        max_peak=_MAX_PEAK.value, refine=_REFINE.value)
+                        max_peak=_MAX_PEAK.value, refine=_REFINE.value,
+                        cache_dir=_CACHE_DIR.value)
   records = rows(results, plan)
   print(f"\n{_MODEL.value} on {_TOPOLOGY.value} as {_MESH.value}, jax {jax.__version__}, "
         f"libtpu {version('libtpu')}, flags {_FLAGS.value}"

@@ -478,7 +478,7 @@ def _default_flags(generation: str):
 
 def tune(step, *args, mesh, topology: str | None = None, candidates=None,
          profile: str | None = None, echo=None, results: dict | None = None,
-         max_peak: float | None = None, refine: int = 0):
+         max_peak: float | None = None, refine: int = 0, cache_dir=None):
   """The fastest of the candidate plans for `step` on `mesh`, as a `meshslice.Plan`.
 
   step: the user's jitted step; args: its arguments, as it takes them: abstract arrays
@@ -507,6 +507,12 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   keeping each move that makes a faster program within the budget; the next sweep
   starts from where it ended, and a sweep that keeps nothing ends the search. A sweep
   compiles about two programs per module and dataflow (GPT-3's layer: ~30).
+  cache_dir: a directory of compiled programs (`compile_cache.CompileCache`), or None
+  (the default: compile every candidate). A candidate whose program was compiled before
+  (the same lowered program, mesh devices, libtpu flags and jax / jaxlib / libtpu
+  versions) is read from it instead of compiled, every figure the original compile's;
+  each new compile is added. A second run with the same arguments compiles nothing and
+  returns the same plan. The closing line counts the programs compiled and those read.
 
   Every argument and every candidate is checked before libtpu loads or anything
   compiles: a candidate's options by transform's own validation, its error prefixed with
@@ -527,8 +533,13 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
   """
   import jax
   from . import aot
+  from .compile_cache import CompileCache
   from .transform import transform
   _check_keywords(step, echo=echo, results=results, max_peak=max_peak, refine=refine)
+  try:
+    cache = None if cache_dir is None else CompileCache(cache_dir)
+  except MeshsliceError as e:
+    raise MeshsliceError(f"tune: {e}") from None
   generation, shape = _target(mesh, topology)
   names = None if shape is None else _axis_names(args, shape, topology)
   profile = _check_profile(profile, generation)
@@ -552,8 +563,12 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
         out[name] = dataclasses.replace(same, name=name)   # the same program: not recompiled
       else:
         fn = step if xla else transform(step, profile=profile, plan=plan)
-        compiled, seconds = aot.compile(fn, *args, mesh=mesh)
-        compiles += 1
+        if cache is None:
+          compiled, seconds = aot.compile(fn, *args, mesh=mesh)
+          compiles += 1
+        else:
+          compiled, seconds, hit = cache.compile(fn, *args, mesh=mesh)
+          compiles += not hit
         out[name] = Candidate(name=name, plan=plan, result=aot.analyze(
             compiled, profile, compile_s=seconds, mesh_shape=mesh_shape))
         del compiled
@@ -614,7 +629,8 @@ def tune(step, *args, mesh, topology: str | None = None, candidates=None,
     budget_note = "" if budget is None else (
         f"; {len(eligible)} of {len(out)} candidates within max_peak={max_peak:g}x XLA's "
         f"peak, {budget / 2**30:.2f} GiB")
+    read = "" if cache is None else f", {cache.hits} read from {cache.directory}"
     echo(f"tuned: {best.name} ({xla / best.step_s:.3f}x XLA's program{budget_note}; "
-         f"{compiles} of {len(out)} candidates compiled, the rest the same program as "
-         f"an earlier one; flags: {out['xla'].result.flags or '(libtpu defaults)'})")
+         f"{compiles} of {len(out)} candidates compiled{read}, the rest the same program "
+         f"as an earlier one; flags: {out['xla'].result.flags or '(libtpu defaults)'})")
   return best.plan

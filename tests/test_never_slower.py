@@ -190,6 +190,37 @@ def test_tune_compiles_candidates_and_never_picks_slower_than_xla():
   assert meshslice.tune(f, x, w, mesh=tpu, candidates={"ksplit=2": {"ksplit": 2}}) == plan
 
 
+def test_tune_reads_compiled_candidates_back_from_its_cache(tmp_path):
+  # cache_dir: a second run compiles nothing, returns the same plan and the same figures
+  tpu, f, x, w = _tune_problem()
+  candidates = {"ksplit=2": {"ksplit": 2}}
+  first, lines = {}, []
+  plan = meshslice.tune(f, x, w, mesh=tpu, candidates=candidates, results=first,
+                        echo=lines.append, cache_dir=tmp_path)
+  assert f"; 2 of 2 candidates compiled, 0 read from {tmp_path}, " in lines[-1]
+  assert len(list(tmp_path.glob("*.json.gz"))) == 2
+  again, lines = {}, []
+  assert meshslice.tune(f, x, w, mesh=tpu, candidates=candidates, results=again,
+                        echo=lines.append, cache_dir=tmp_path) == plan
+  assert f"; 0 of 2 candidates compiled, 2 read from {tmp_path}, " in lines[-1]
+  for name, c in first.items():
+    a, b = c.result, again[name].result
+    assert (b.simulation.step_s, b.peak_bytes, b.temp_bytes, b.libtpu_peak_bytes,
+            b.compile_s) == (a.simulation.step_s, a.peak_bytes, a.temp_bytes,
+                             a.libtpu_peak_bytes, a.compile_s)
+    assert b.summary == a.summary
+  # an entry that cannot be read is compiled again, and replaced
+  damaged = sorted(tmp_path.glob("*.json.gz"))[0]
+  damaged.write_bytes(b"not a cache entry")
+  lines = []
+  assert meshslice.tune(f, x, w, mesh=tpu, candidates=candidates, echo=lines.append,
+                        cache_dir=str(tmp_path)) == plan
+  assert f"; 1 of 2 candidates compiled, 1 read from {tmp_path}, " in lines[-1]
+  with pytest.raises(ValueError, match=r"^tune: cache_dir must be a directory path "
+                     r"\(str or os.PathLike\), got 3$"):
+    meshslice.tune(f, x, w, mesh=tpu, cache_dir=3)
+
+
 def test_tune_slices_only_the_sites_of_one_dataflow():
   # SlicedSites: an earlier candidate's plan with its sites of one dataflow sliced
   tpu, f, x, w = _tune_problem()
