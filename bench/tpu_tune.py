@@ -24,7 +24,8 @@ from the fastest candidate within --max_peak (one module's sites of one dataflow
 sliced one step finer or coarser, a group of weight gradients held or released, a move
 at a time; ~30 compiles a sweep for GPT-3's layer). --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
-topology's generation, set before libtpu loads.
+topology's generation, set before libtpu loads. --whole tunes the whole training step
+(`meshslice.whole_step`, 4 scanned layers by default) instead of one layer.
 """
 import importlib
 import json
@@ -35,7 +36,10 @@ from absl import app, flags
 _MODEL = flags.DEFINE_string("model", "gpt3", "gpt3 or megatron (aot.model_step)")
 _TOPOLOGY = flags.DEFINE_string("topology", "v4:8x8x4", "TPU topology to compile for")
 _MESH = flags.DEFINE_string("mesh", "64x4", "mesh shape RxC (axes x, y)")
-_LAYERS = flags.DEFINE_integer("layers", 1, "transformer layers")
+_LAYERS = flags.DEFINE_integer("layers", 0, "transformer layers (0: one for a layer step, "
+                                "four for --whole)")
+_WHOLE = flags.DEFINE_bool("whole", False, "tune the whole training step (meshslice."
+                           "whole_step: embedding, scanned layers, loss, Adam), not a layer")
 _BATCH = flags.DEFINE_integer("batch", 0, "sequences per step (default: one per chip)")
 _SEQ = flags.DEFINE_integer("seq", 0, "sequence length (default: the model's)")
 _FLAGS = flags.DEFINE_string("flags", "dense,async,all_to_all", "libtpu flag presets")
@@ -125,10 +129,11 @@ def main(argv):
   import meshslice
   shape = tuple(int(v) for v in _MESH.value.split("x"))
   mesh = aot.make_mesh(_TOPOLOGY.value, shape)
-  step, params, data = aot.model_step(_MODEL.value, mesh, layers=_LAYERS.value,
-                                      batch=_BATCH.value or None, seq=_SEQ.value or None)
+  step, *args = aot.model_step(_MODEL.value, mesh, layers=_LAYERS.value or None,
+                               whole=_WHOLE.value, batch=_BATCH.value or None,
+                               seq=_SEQ.value or None)
   results = {}
-  plan = meshslice.tune(step, params, data, mesh=mesh, results=results, echo=print,
+  plan = meshslice.tune(step, *args, mesh=mesh, results=results, echo=print,
                         candidates=candidates(_CANDIDATES.value, _HELD.value,
                                               _SLICED.value),
                         max_peak=_MAX_PEAK.value, refine=_REFINE.value,
@@ -144,7 +149,9 @@ def main(argv):
     with open(_JSON.value, "w") as f:
       for r in records:
         f.write(json.dumps({"model": _MODEL.value, "topology": _TOPOLOGY.value,
-                            "mesh": _MESH.value, **r}) + "\n")
+                            "mesh": _MESH.value, "whole": _WHOLE.value,
+                            "layers": _LAYERS.value or (4 if _WHOLE.value else 1),
+                            **r}) + "\n")
 
 
 if __name__ == "__main__":
