@@ -41,3 +41,28 @@ def test_tpu_models_reads_every_program_under_three_models(tmp_path):
     worst = summary["least_favourable"][name]
     assert worst["ratio"] == min(by_model.values())
     assert f"{name} {worst['ratio']:.3f}x" in claim[0]
+
+
+def test_tpu_plans_compiles_pinned_plans_and_reads_them_under_both_models(tmp_path):
+  """bench/tpu_plans.py: plans pinned by site index compile in one process; each row is
+  read under alpha-beta and routed links, against the "xla" row."""
+  pytest.importorskip("libtpu")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = tmp_path / "plans.jsonl"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "bench", "tpu_plans.py"), "--model=custom:4x128",
+       "--seq=128", "--topology=v4:2x2x2", "--mesh=2x4", "--list", "--plan=xla=",
+       '--plan=pinned={"algorithm": "collective", "overrides": {"0": {"rewrite": false}}}',
+       f"--out={out}"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("#0   forward  wq ") and lines[0].endswith("left alone")
+  pinned = next(line for line in lines if line.startswith("pinned: "))
+  assert "XLA / plan " in pinned and "'collective os S=1': 10" in pinned
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["plan"] for r in records] == ["xla", "pinned"]
+  assert records[1]["options"]["overrides"] == {"0": {"rewrite": False}}
+  for r in records:
+    assert r["topology"] == "v4:2x2x2" and "tpu_plans.py" in r["command"]
+    for model in ("alpha-beta", "routed-links"):
+      assert r[model]["step_s"] >= r[model]["compute_s"] > 0
