@@ -45,9 +45,6 @@ from .errors import MeshsliceError
 
 # The layout of an entry; an entry of another format is a miss.
 FORMAT = 1
-# The memory figures kept (`memory_analysis()`'s attributes that aot.analyze reads).
-MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                 "temp_size_in_bytes", "peak_memory_in_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +70,10 @@ class CachedProgram:
 
   def memory_analysis(self) -> CachedMemory | None:
     return self.memory
+
+
+# The memory figures kept: `memory_analysis()`'s attributes that aot.analyze reads.
+MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(CachedMemory))
 
 
 def _version(package: str) -> str:
