@@ -5,7 +5,9 @@ compiles on this machine, docs/tpu.md), simulates each compiled program and prin
 per candidate: simulated step, compute, exposed communication, libtpu's peak memory,
 the step and peak against XLA's program compiled in the same run, the step against the
 limit (XLA's compute: with the `dense` flags it is the dense program's), and which
-candidate tune chose (the fastest, within --max_peak when given).
+candidate tune chose (the fastest, within --max_peak when given). Tune ranks by the
+alpha-beta simulator; --routed (on by default) adds each program's step under the
+routed-links model (`costmodel.routed_links`) and the less favourable of the two ratios.
 
   python bench/tpu_tune.py --model=gpt3 --topology=v4:8x8x4 --mesh=64x4 \\
       --candidate=collective+all_to_all --candidate="collective+all_to_all, ls ksplit=2" \\
@@ -54,6 +56,9 @@ _MAX_PEAK = flags.DEFINE_float("max_peak", None, "tune's memory budget: a multip
                                "XLA's libtpu peak")
 _REFINE = flags.DEFINE_integer("refine", 0, "tune's sweeps of local search from the "
                                 "fastest candidate within --max_peak (0: none)")
+_ROUTED = flags.DEFINE_bool("routed", True, "also price every candidate's compiled "
+                            "schedule under the routed-links model (torus links; no "
+                            "recompiling) and give the least favourable ratio")
 _JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
 _CACHE_DIR = flags.DEFINE_string("cache_dir", None, "keep compiled candidates here and read "
                                  "back those compiled before (tune's cache_dir)")
@@ -92,14 +97,26 @@ def candidates(names: list, held: list, sliced: tuple = ()) -> dict:
   return out
 
 
-def rows(results: dict, plan) -> list[dict]:
-  """One row per candidate, ratios against the "xla" candidate of the same run."""
+def rows(results: dict, plan, routed_step=None) -> list[dict]:
+  """One row per candidate, ratios against the "xla" candidate of the same run.
+
+  `routed_step(result)` (optional) prices a candidate's compiled schedule under the
+  routed-links model; the rows then carry that step and its ratio beside tune's
+  alpha-beta figures, and "least_vs_xla" is the less favourable of the two ratios.
+  """
   xla = results["xla"].result
+  xla_routed = routed_step(xla) if routed_step else None
   out = []
   for name, c in results.items():
     r, sim = c.result, c.result.simulation
+    extra = {}
+    if routed_step:
+      routed = routed_step(r)
+      extra = {"routed_ms": routed * 1e3, "routed_vs_xla": xla_routed / routed,
+               "least_vs_xla": min(xla_routed / routed, xla.simulation.step_s / sim.step_s)}
     out.append({"candidate": name, "step_ms": sim.step_s * 1e3,
                 "compute_ms": sim.compute_s * 1e3, "exposed_ms": sim.exposed_s * 1e3,
+                **extra,
                 "peak_gib": r.libtpu_peak_bytes / 2**30,
                 "step_vs_xla": xla.simulation.step_s / sim.step_s,
                 "peak_vs_xla": r.libtpu_peak_bytes / max(xla.libtpu_peak_bytes, 1),
@@ -109,14 +126,23 @@ def rows(results: dict, plan) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
+  routed = bool(records) and "routed_ms" in records[0]
   head = ("| candidate | step ms | compute ms | exposed ms | libtpu peak GiB | step vs XLA "
-          "| peak vs XLA | step vs limit | chosen |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")
-  lines = [head]
+          "| peak vs XLA | step vs limit | chosen |")
+  rule = "|---|---:|---:|---:|---:|---:|---:|---:|---|"
+  if routed:
+    head += " routed step ms | routed vs XLA | least favourable vs XLA |"
+    rule += "---:|---:|---:|"
+  lines = [head, rule]
   for r in records:
-    lines.append(f"| {r['candidate']} | {r['step_ms']:.2f} | {r['compute_ms']:.2f} | "
-                 f"{r['exposed_ms']:.2f} | {r['peak_gib']:.2f} | {r['step_vs_xla']:.3f}x | "
-                 f"{r['peak_vs_xla']:.3f}x | {r['step_vs_limit']:.3f}x | "
-                 f"{'yes' if r['chosen'] else ''} |")
+    line = (f"| {r['candidate']} | {r['step_ms']:.2f} | {r['compute_ms']:.2f} | "
+            f"{r['exposed_ms']:.2f} | {r['peak_gib']:.2f} | {r['step_vs_xla']:.3f}x | "
+            f"{r['peak_vs_xla']:.3f}x | {r['step_vs_limit']:.3f}x | "
+            f"{'yes' if r['chosen'] else ''} |")
+    if routed:
+      line += (f" {r['routed_ms']:.2f} | {r['routed_vs_xla']:.3f}x | "
+               f"{r['least_vs_xla']:.3f}x |")
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -138,7 +164,15 @@ def main(argv):
                                               _SLICED.value),
                         max_peak=_MAX_PEAK.value, refine=_REFINE.value,
                         cache_dir=_CACHE_DIR.value)
-  records = rows(results, plan)
+  routed_step = None
+  if _ROUTED.value:
+    from meshslice.costmodel import routed_links
+    profile = generation.profile
+
+    def routed_step(result):
+      return routed_links.simulate_routed(result.schedule, mesh, profile).step_s
+
+  records = rows(results, plan, routed_step)
   print(f"\n{_MODEL.value} on {_TOPOLOGY.value} as {_MESH.value}, jax {jax.__version__}, "
         f"libtpu {version('libtpu')}, flags {_FLAGS.value}"
         f"{'' if _MAX_PEAK.value is None else f', max_peak {_MAX_PEAK.value:g}'}"

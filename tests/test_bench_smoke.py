@@ -135,3 +135,9 @@ def test_tpu_tune_builds_its_candidates_and_tables_ratios_against_xla(bench_scri
   assert held["step_vs_limit"] == pytest.approx(1.6)
   assert "| held | 160.00 | 110.00 | 50.00 | 3.00 | 1.250x | 0.750x | 1.600x | yes |" in (
       tpu_tune.table(rows))
+  # With a routed-links pricing, each row carries it and the less favourable ratio.
+  routed_ms = {id(results["xla"].result): 180.0, id(results["held"].result): 160.0}
+  rows = tpu_tune.rows(results, "p1", lambda r: routed_ms[id(r)] / 1e3)
+  held = rows[1]
+  assert (held["routed_vs_xla"], held["least_vs_xla"]) == (1.125, 1.125)
+  assert "| 1.600x | yes | 160.00 | 1.125x | 1.125x |" in tpu_tune.table(rows)
