@@ -18,6 +18,10 @@ and reads each compiled schedule (`aot.analyze`: `costmodel.tpu_schedule`) under
   routed-links  `routed_links.simulate_routed(schedule, mesh, profile)`: every collective
                 routed over the torus, per-link load
 
+and, beside them, libtpu's latency-hiding scheduler's own total (its log captured from
+each compile's stderr; entry computation plus loop bodies times their trips; its own
+units, so only its ratio is printed).
+
 It prints per program and model: step, compute, exposed (ms), libtpu's peak memory, the
 compile time, and XLA / program (> 1: faster than XLA), the least favourable over the
 two models as the claim. JSON lines go to --out_dir (one per program, one summary), with
@@ -62,12 +66,24 @@ PROGRAMS = ("xla", "meshslice")
 MODELS = ("alpha-beta", "routed-links")
 
 
-def read(compiled, seconds: float, mesh, shape, profile: str) -> dict:
-  """One compiled program's figures under both link models."""
+def read(compiled, seconds: float, mesh, shape, profile: str,
+         scheduler_log: str | None = None) -> dict:
+  """One compiled program's figures under both link models, and libtpu's scheduler
+  total when `scheduler_log` (the compile's stderr) holds it."""
   from meshslice import aot
   from meshslice.costmodel import routed_links
-  result = aot.analyze(compiled, profile, compile_s=seconds, mesh_shape=shape)
+  result = aot.analyze(compiled, profile, compile_s=seconds, mesh_shape=shape,
+                       scheduler_log=scheduler_log)
   routed = routed_links.simulate_routed(result.schedule, mesh, profile)
+  lhs = None
+  if result.scheduler_cycles is not None:
+    # the entry computation's total counts a loop as one node: add its bodies x trips
+    cycles = result.scheduler_cycles + (result.scheduler_loop_cycles or 0.0)
+    lhs = {"entry_cycles": result.scheduler_cycles,
+           "loop_cycles": result.scheduler_loop_cycles, "cycles": cycles,
+           "wasted_cycles": result.scheduler_wasted_cycles,
+           "nominal_step_s": cycles * result.scheduler_s / result.scheduler_cycles
+           if result.scheduler_s and result.scheduler_cycles else None}
 
   def sim(s):
     return {"model": s.model, "step_s": s.step_s, "compute_s": s.compute_s,
@@ -80,7 +96,7 @@ def read(compiled, seconds: float, mesh, shape, profile: str) -> dict:
           "collective_bytes", "sync_collectives", "async_collectives",
           "windowed_einsum_loops", "peak_bytes", "temp_bytes", "libtpu_peak_bytes")
   return {"alpha-beta": sim(result.simulation), "routed-links": sim(routed),
-          **{k: row[k] for k in keep}, "compile_s": seconds,
+          "libtpu-lhs": lhs, **{k: row[k] for k in keep}, "compile_s": seconds,
           "hlo_chars": len(compiled.as_text())}
 
 
@@ -139,7 +155,10 @@ def main(argv):
     shape = tuple(int(v) for v in _MESH.value.split("x"))
   except ValueError as e:
     raise app.UsageError(f"--topology / --mesh: {e}") from None
-  # libtpu reads its flags once, when it loads (the first topology): before anything else
+  # libtpu reads its flags once, when it loads (the first topology): before anything else;
+  # its scheduler then logs its own step estimate to stderr, captured per compile
+  from meshslice.costmodel import tpu_schedule
+  os.environ.update(tpu_schedule.SCHEDULER_LOG_ENV)
   aot.set_flags(*aot.preset_flags(_FLAGS.value, generation.name))
   import jax
   jax.config.update("jax_platforms", "cpu")        # the host runs nothing but the compiler
@@ -188,7 +207,8 @@ def main(argv):
         print(f"meshslice plan: {plan}", flush=True)
       began = time.perf_counter()
       try:
-        compiled, seconds = aot.compile(fn, params, opt, data, mesh=mesh)
+        with tpu_schedule.capture_stderr() as log:
+          compiled, seconds = aot.compile(fn, params, opt, data, mesh=mesh)
       except Exception as e:           # e.g. out of HBM on the chips: reported, not fatal
         reason = f"{type(e).__name__}: {str(e)[:2000]}"
         print(f"{name}: compile failed after {time.perf_counter() - began:.0f} s: {reason}",
@@ -199,7 +219,7 @@ def main(argv):
       if _SAVE_HLO.value:
         with open(os.path.join(_OUT_DIR.value, f"{tag}_{name}.hlo"), "w") as f:
           f.write(compiled.as_text())
-      figures = read(compiled, seconds, mesh, shape, profile)
+      figures = read(compiled, seconds, mesh, shape, profile, log.text)
       if name == "meshslice":
         figures["explain"] = predicted
       del compiled
@@ -225,6 +245,13 @@ def main(argv):
   for n, (r, m) in least.items():
     print(f"\nleast favourable: {n} {'—' if r is None else format(r, '.3f') + 'x'} vs XLA "
           f"({m})")
+  lhs = {n: (f.get("libtpu-lhs") or {}).get("cycles") for n, f in records.items()}
+  if lhs.get("xla"):
+    print("libtpu's scheduler (its own cycles, units unverified; entry + loop bodies x "
+          "trips): " + ", ".join(
+              f"{n} {c / 1e6:.1f}M" + ("" if n == "xla" or not c else
+                                       f" (XLA / {n} {lhs['xla'] / c:.3f}x)")
+              for n, c in lhs.items() if c))
   if "xla" in records and "explain" in records.get("meshslice", {}):
     print(explain_accuracy.versus_compiled(records["xla"], records["meshslice"], MODELS))
   print(f"wall {time.perf_counter() - start:.0f} s; JSON lines: {jsonl}")
