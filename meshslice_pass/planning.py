@@ -338,6 +338,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # model picks the dataflow per site (e.g. LS for a matmul whose input is wider than its
   # output), or the user pinned one the current layouts do not give.
   options = [site] if site.rewritten and pinned in (None, site.dataflow) else []
+  cheapest_elsewhere = None   # the best reshard's prediction, adopted or not (_versus_xla)
   refused = None      # the first alternative that cannot honour a pin (its error)
   # Under SparseCore offload XLA's program hides a collective wherever independent work
   # can run beside it. In the backward pass the data- and weight-gradient matmuls of a
@@ -353,10 +354,16 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   automatic = ctx.options.relayout and (
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
           site.profile.name) in _FORWARD_RESHARDS_MEASURED))
+  # Where the collective rewrite is taken over a tie with XLA (`_COLLECTIVE_OVER_XLA_
+  # MEASURED`), the reshards are priced even when not adopted: that rule needs to know
+  # whether another dataflow would move less.
+  priced_only = (pinned is None and not automatic and ctx.options.relayout
+                 and _collective_over_xla(ctx, site.profile))
   for alt, alt_lhs, alt_rhs in matching.relayouts(
       dimension_numbers, lhs.aval.shape, rhs.aval.shape, lhs_spec, rhs_spec, match,
       ctx.axis_sizes):
-    if pinned not in (None, alt.dataflow) or (pinned is None and not automatic):
+    if pinned not in (None, alt.dataflow) or (pinned is None and not automatic
+                                              and not priced_only):
       continue
     try:
       candidate = plan(alt, alt_lhs, alt_rhs)
@@ -372,6 +379,13 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
              if a != b]
     extra = sum(costing.reshard_seconds(aval.shape, aval.dtype, b, ctx.axis_sizes,
                                         ctx.options.profile) for _, _, b, aval in moved)
+    if priced_only:
+      # the collective in that dataflow, as if the operands were laid out for it: XLA's
+      # partitioner picks how to split a dot without resharding a weight first
+      seconds = candidate.baseline_seconds
+      cheapest_elsewhere = seconds if cheapest_elsewhere is None else min(
+          cheapest_elsewhere, seconds)
+      continue
     how = ", ".join(f"{name} {S.describe(a)} -> {S.describe(b)}" for name, a, b, _ in moved)
     own = (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
            else f"as {site.dataflow}: {site.reason}")
@@ -395,7 +409,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # a relayout must win clearly: the model does not see every cost of a reshard
   best = min(options, key=lambda c: c.predicted_seconds if c is site
              else c.predicted_seconds / RELAYOUT_MARGIN)
-  return _versus_xla(best, site, ctx, request, base)
+  return _versus_xla(best, site, ctx, request, base, cheapest_elsewhere)
 
 
 def _xla_baseline(options) -> str:
@@ -405,11 +419,17 @@ def _xla_baseline(options) -> str:
   return mode
 
 
-def _versus_xla(best, site, ctx, request, base):
+def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
   """`best`, or the site left to XLA unless the rewrite is predicted faster than XLA's
   own program for it (in the operands' own layouts, under `Options.compiler_flags`)
   by more than `costing.XLA_MARGIN` (`costing.leave_to_xla`). Only automatic plans are
-  compared: a pinned algorithm, ksplit or dataflow is the user's call."""
+  compared: a pinned algorithm, ksplit or dataflow is the user's call.
+
+  Where compiled programs showed the plain collective rewrite faster than XLA's own
+  program (`_COLLECTIVE_OVER_XLA_MEASURED`), a site that would be left to XLA is
+  rewritten as the collective algorithm in its own layout instead, if no reshard to
+  another dataflow is predicted faster (`cheapest_elsewhere`, the best reshard's
+  prediction): there XLA's partitioner may move the smaller operand, and it won."""
   mode = _xla_baseline(ctx.options)
   pinned = (request.algorithm, request.ksplit, request.dataflow) != (None, None, None)
   if mode == "none" or pinned or request.rewrite is True:
@@ -434,6 +454,18 @@ def _versus_xla(best, site, ctx, request, base):
     return dataclasses.replace(best, xla_seconds=xla.seconds, note=_join(
         best.note, f"XLA's own program ({xla.description}): {xla.seconds * 1e6:.1f} us"))
   plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
+  if (site.rewritten and _collective_over_xla(ctx, profile)
+      and (cheapest_elsewhere is None or site.baseline_seconds <= cheapest_elsewhere)):
+    generation = backend_flags.profile_generation(profile.name)
+    return dataclasses.replace(
+        site, algorithm="collective", ksplit=1, block=site.geometry.block_size(1),
+        reduce_scatter=None, predicted_seconds=site.baseline_seconds,
+        xla_seconds=xla.seconds, note=_join(site.note, (
+            f"collective S=1 rather than XLA's own program ({xla.description}) "
+            f"{xla.seconds * 1e6:.1f} us, which the model prices the same: on {generation} "
+            "under SparseCore offload the collective rewrite compiled faster than XLA's "
+            "program wherever no other dataflow moves less (docs/benchmarks.md, "
+            "\"Ironwood (tpu7x)\")")))
   return Site(rewritten=False, predicted_seconds=xla.seconds, xla_seconds=xla.seconds,
               baseline_seconds=site.baseline_seconds, profile=profile,
               reason=(f"{pins.LEFT_TO_XLA}: the best rewrite ({plan}) "
@@ -447,6 +479,28 @@ def _versus_xla(best, site, ctx, request, base):
 # measured faster than XLA's program (docs/benchmarks-log.md, "Forward sites under SparseCore
 # offload"); elsewhere under offload a site keeps the dataflow its layouts give.
 _FORWARD_RESHARDS_MEASURED = ("v5p", "v6e")
+
+
+# TPU generations where, under SparseCore offload with windowed einsum off (the
+# `dense,async,all_to_all` preset), every compiled program measured ran
+# faster with the sites XLA's own program is priced as tying rewritten as the plain
+# collective algorithm (one all-gather per operand, one ring reduce-scatter) in their own
+# layouts, than left to XLA: tpu7x, 1.11-1.53x on five programs from 8 to 512
+# TensorCores (docs/benchmarks.md, "Ironwood (tpu7x)"). XLA's program there moved up to
+# twice the collective bytes. Where a reshard to another dataflow was predicted to move
+# less (GPT-3 at seq 256), XLA's program won by 2x, so such sites stay XLA's.
+_COLLECTIVE_OVER_XLA_MEASURED = ("tpu7x",)
+
+
+def _collective_over_xla(ctx, profile) -> bool:
+  """Whether a tie with XLA's program goes to the collective rewrite on this profile's
+  generation under the compiler flags in force (`_COLLECTIVE_OVER_XLA_MEASURED`): with
+  SparseCore offload and windowed einsum off, the flags it was measured under."""
+  flags = ctx.options.compiler_flags
+  if profile is None or not _offloaded(ctx, profile) or not (
+      backend_flags.windowed_einsum_off(flags)):
+    return False
+  return backend_flags.profile_generation(profile.name) in _COLLECTIVE_OVER_XLA_MEASURED
 
 
 def _offloaded(ctx, profile) -> frozenset:
