@@ -374,18 +374,19 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
       continue
     if not candidate.rewritten or not _honours(candidate, request, site):
       continue
+    if priced_only:
+      # the collective in that dataflow, as if the operands were laid out for it: XLA's
+      # partitioner picks how to split a dot without resharding a weight first
+      seconds = candidate.baseline_seconds
+      if seconds is not None:
+        cheapest_elsewhere = seconds if cheapest_elsewhere is None else min(
+            cheapest_elsewhere, seconds)
+      continue
     moved = [(name, a, b, aval) for name, a, b, aval in
              (("lhs", lhs_spec, alt_lhs, lhs.aval), ("rhs", rhs_spec, alt_rhs, rhs.aval))
              if a != b]
     extra = sum(costing.reshard_seconds(aval.shape, aval.dtype, b, ctx.axis_sizes,
                                         ctx.options.profile) for _, _, b, aval in moved)
-    if priced_only:
-      # the collective in that dataflow, as if the operands were laid out for it: XLA's
-      # partitioner picks how to split a dot without resharding a weight first
-      seconds = candidate.baseline_seconds
-      cheapest_elsewhere = seconds if cheapest_elsewhere is None else min(
-          cheapest_elsewhere, seconds)
-      continue
     how = ", ".join(f"{name} {S.describe(a)} -> {S.describe(b)}" for name, a, b, _ in moved)
     own = (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
            else f"as {site.dataflow}: {site.reason}")
