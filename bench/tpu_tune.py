@@ -105,13 +105,15 @@ def rows(results: dict, plan, routed_step=None) -> list[dict]:
   alpha-beta figures, and "least_vs_xla" is the less favourable of the two ratios.
   """
   xla = results["xla"].result
-  xla_routed = routed_step(xla) if routed_step else None
+  # one routed simulation per candidate (XLA's included), each seconds on a pod program
+  routed_s = {name: routed_step(c.result) for name, c in results.items()} if routed_step \
+      else {}
   out = []
   for name, c in results.items():
     r, sim = c.result, c.result.simulation
     extra = {}
     if routed_step:
-      routed = routed_step(r)
+      routed, xla_routed = routed_s[name], routed_s["xla"]
       extra = {"routed_ms": routed * 1e3, "routed_vs_xla": xla_routed / routed,
                "least_vs_xla": min(xla_routed / routed, xla.simulation.step_s / sim.step_s)}
     out.append({"candidate": name, "step_ms": sim.step_s * 1e3,

@@ -338,7 +338,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # model picks the dataflow per site (e.g. LS for a matmul whose input is wider than its
   # output), or the user pinned one the current layouts do not give.
   options = [site] if site.rewritten and pinned in (None, site.dataflow) else []
-  cheapest_elsewhere = None   # the best reshard's prediction, adopted or not (_versus_xla)
+  cheapest_elsewhere = None   # another dataflow's collective, unresharded (_versus_xla)
   refused = None      # the first alternative that cannot honour a pin (its error)
   # Under SparseCore offload XLA's program hides a collective wherever independent work
   # can run beside it. In the backward pass the data- and weight-gradient matmuls of a
@@ -355,8 +355,8 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
           site.profile.name) in _FORWARD_RESHARDS_MEASURED))
   # Where the collective rewrite is taken over a tie with XLA (`_COLLECTIVE_OVER_XLA_
-  # MEASURED`), the reshards are priced even when not adopted: that rule needs to know
-  # whether another dataflow would move less.
+  # MEASURED`), the other dataflows are priced even though no reshard is adopted: that
+  # rule needs to know whether another dataflow would move less.
   priced_only = (pinned is None and not automatic and ctx.options.relayout
                  and _collective_over_xla(ctx, site.profile))
   for alt, alt_lhs, alt_rhs in matching.relayouts(
@@ -428,9 +428,10 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
 
   Where compiled programs showed the plain collective rewrite faster than XLA's own
   program (`_COLLECTIVE_OVER_XLA_MEASURED`), a site that would be left to XLA is
-  rewritten as the collective algorithm in its own layout instead, if no reshard to
-  another dataflow is predicted faster (`cheapest_elsewhere`, the best reshard's
-  prediction): there XLA's partitioner may move the smaller operand, and it won."""
+  rewritten as the collective algorithm in its own layout instead, if no other
+  dataflow's collective is predicted faster (`cheapest_elsewhere`, priced as if the
+  operands were laid out for it): there XLA's partitioner may move the smaller operand,
+  and it won."""
   mode = _xla_baseline(ctx.options)
   pinned = (request.algorithm, request.ksplit, request.dataflow) != (None, None, None)
   if mode == "none" or pinned or request.rewrite is True:
@@ -483,13 +484,14 @@ _FORWARD_RESHARDS_MEASURED = ("v5p", "v6e")
 
 
 # TPU generations where, under SparseCore offload with windowed einsum off (the
-# `dense,async,all_to_all` preset), every compiled program measured ran
-# faster with the sites XLA's own program is priced as tying rewritten as the plain
-# collective algorithm (one all-gather per operand, one ring reduce-scatter) in their own
-# layouts, than left to XLA: tpu7x, 1.11-1.53x on five programs from 8 to 512
-# TensorCores (docs/benchmarks.md, "Ironwood (tpu7x)"). XLA's program there moved up to
-# twice the collective bytes. Where a reshard to another dataflow was predicted to move
-# less (GPT-3 at seq 256), XLA's program won by 2x, so such sites stay XLA's.
+# `dense,async,all_to_all` preset), the sites XLA's own program is priced as tying ran
+# faster rewritten as the plain collective algorithm (one all-gather per operand, one
+# ring reduce-scatter) in their own layouts than left to XLA: tpu7x, the default plan
+# 1.13-1.59x XLA on GPT-3 / Llama-shaped layers and whole steps from 8 to 2048
+# TensorCores, and 0.996x on a 0.7 ms toy step (docs/benchmarks.md, "Ironwood (tpu7x),
+# 256 chips: a whole step"). XLA's program there moved up to twice the collective bytes.
+# Where another dataflow's collective moves less (GPT-3 at seq 256), XLA's program won by
+# 2x, so such sites stay XLA's.
 _COLLECTIVE_OVER_XLA_MEASURED = ("tpu7x",)
 
 
