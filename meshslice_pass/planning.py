@@ -451,8 +451,10 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
     # XLA's dense program holds what the collective plan holds: no more a choice than it
     return dataclasses.replace(best, note=_join(
         best.note, f"XLA's own program ({xla.description}) does not fit HBM either"))
-  if not costing.leave_to_xla(best.predicted_seconds, collective, xla,
-                              same_program=_compiles_as_xla(ctx)):
+  # the step template was compared with XLA's program on the compiled step, not per site
+  templated = best.rewritten and _STEP_TEMPLATE_MARK in best.note
+  if templated or not costing.leave_to_xla(best.predicted_seconds, collective, xla,
+                                           same_program=_compiles_as_xla(ctx)):
     return dataclasses.replace(best, xla_seconds=xla.seconds, note=_join(
         best.note, f"XLA's own program ({xla.description}): {xla.seconds * 1e6:.1f} us"))
   plan = f"{best.algorithm} {best.dataflow} S={best.ksplit}"
@@ -616,6 +618,23 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     if no_overlap:
       ksplits = (1,)
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
+    template = (None if no_overlap or algorithm is not None
+                else _step_template(ctx, profile, request, match.dataflow, ksplits))
+    if template is not None:
+      algorithm, ksplit = template
+      if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
+        # priced at most as the collective: the per-site model charges the slices' all-
+        # to-alls as exposed, where on the compiled step the second slice's matmul hides
+        # the first's (so the dataflow is chosen as tune's collective base chose it)
+        seconds = min(baseline, costing.predict(problem, profile, algorithm, flow, ksplit,
+                                                terms, offloaded, forward))
+        form = _scatter_form(request, algorithm, match.dataflow, _automatic_scatter_form(ctx))
+        return dataclasses.replace(
+            site, algorithm=algorithm, ksplit=ksplit, block=geometry.block_size(ksplit),
+            reduce_scatter=form, predicted_seconds=seconds,
+            note=_join(site.note, _STEP_TEMPLATE_NOTE.format(
+                generation=backend_flags.profile_generation(profile.name))))
+      algorithm = None    # the template does not fit HBM: the cost model chooses
     algorithm, ksplit, seconds, note = costing.choose(
         problem, profile, flow, ksplits=ksplits or (1,),
         algorithms=(algorithm,) if algorithm else costing.AUTO_ALGORITHMS, terms=terms,
@@ -628,6 +647,51 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
                              block=geometry.block_size(ksplit) if algorithm != "wang" else None,
                              reduce_scatter=form, predicted_seconds=seconds,
                              note=_join(site.note, note))
+
+
+# TPU generations where, under the `dense,async,all_to_all` preset without SparseCore
+# offload, one plan for the whole step compiled faster than the per-site model's choices:
+# every 2D site rewritten in its own dataflow as the plain collective algorithm, except the
+# lhs-stationary ones (their output reduce-scattered and read right away), sliced in two,
+# all reduce-scatters sent as all-to-alls. On v4 at 256 chips: GPT-3 layer 1.100x XLA
+# against the per-site plan's 1.065x, Megatron-NLG layer 1.091x against 1.069x, GPT-3
+# whole step (4 layers) 1.328x against 1.200x, the least favourable of the alpha-beta and
+# routed models (docs/benchmarks.md, "Where the tuned plan's gain comes from"). Why it
+# wins where the per-site model does not see it: a weight gradient's all-to-all hides
+# under the rest of the backward pass unsliced; an lhs-stationary site's does not, and two
+# slices hide it where more add compute (each slice costs ~3-7 % of the site's dots); the
+# collective rewrite of an os site exposes less of its gathers than XLA's program for it.
+# On v5p the same plan lost to the per-site plan (0.976x XLA routed), so it is v4's only.
+_STEP_TEMPLATE_MEASURED = ("v4",)
+
+_STEP_TEMPLATE_MARK = "the step template measured on"
+_STEP_TEMPLATE_NOTE = _STEP_TEMPLATE_MARK + (
+    " {generation} (collective S=1, lhs-stationary sites "
+    "sliced in two, all-to-all reduce-scatters): it compiled faster than the per-site "
+    "model's plan and XLA's program (docs/benchmarks.md, \"Where the tuned plan's gain "
+    "comes from\")")
+
+
+def _step_template(ctx, profile, request, dataflow, ksplits) -> tuple | None:
+  """(algorithm, ksplit) for a site of `dataflow` where the step template applies
+  (`_STEP_TEMPLATE_MEASURED`): a TPU generation it was measured on, compiled under the
+  flags it was measured under (windowed einsum off, async all-to-all on, no SparseCore
+  offload), reduce-scatters in the all-to-all form, and neither algorithm nor ksplit
+  pinned; else None. `ksplits` are the slice counts the site can realise: an
+  lhs-stationary site that cannot be sliced in two runs the collective algorithm."""
+  if profile is None or request.ksplit is not None or request.algorithm is not None:
+    return None
+  if backend_flags.profile_generation(profile.name) not in _STEP_TEMPLATE_MEASURED:
+    return None
+  flags = ctx.options.compiler_flags
+  if (_offloaded(ctx, profile) or len(backend_flags.windowed_einsum_off(flags)) < 2
+      or _scatter_form(request, "collective", "ls", _automatic_scatter_form(ctx))
+      != "all_to_all"):
+    return None
+  if costing.model_dataflow(dataflow) == "ls" and not dataflow.startswith("1d") \
+      and 2 in ksplits:
+    return "meshslice", 2
+  return "collective", 1
 
 
 def _automatic_scatter_form(ctx) -> str | None:
