@@ -619,7 +619,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       ksplits = (1,)
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     template = (None if no_overlap or algorithm is not None
-                else _step_template(ctx, profile, request, match.dataflow, ksplits))
+                else _step_template(ctx, profile, request, match.dataflow, ksplits,
+                                    baseline))
     if template is not None:
       algorithm, ksplit = template
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
@@ -672,14 +673,26 @@ _STEP_TEMPLATE_NOTE = _STEP_TEMPLATE_MARK + (
     "comes from\")")
 
 
-def _step_template(ctx, profile, request, dataflow, ksplits) -> tuple | None:
+# The step template's smallest site: its collective plan predicted to take at least this
+# long. Below it a site is latency-bound and the template lost (a layer of 4 x 128 heads
+# at seq 128 on v4:2x2x2, sites of 58-97 us: 0.896x XLA routed), above it won (the
+# MaxText-style step at emb 2048 on v4:2x2x2, sites of 0.46-2.0 ms: 1.130x alpha-beta).
+_STEP_TEMPLATE_MIN_SECONDS = 200e-6
+
+
+def _step_template(ctx, profile, request, dataflow, ksplits, collective_seconds
+                   ) -> tuple | None:
   """(algorithm, ksplit) for a site of `dataflow` where the step template applies
   (`_STEP_TEMPLATE_MEASURED`): a TPU generation it was measured on, compiled under the
   flags it was measured under (windowed einsum off, async all-to-all on, no SparseCore
-  offload), reduce-scatters in the all-to-all form, and neither algorithm nor ksplit
-  pinned; else None. `ksplits` are the slice counts the site can realise: an
-  lhs-stationary site that cannot be sliced in two runs the collective algorithm."""
+  offload), reduce-scatters in the all-to-all form, neither algorithm nor ksplit pinned,
+  and a site not bound by latency (its collective plan predicted to take
+  `collective_seconds` >= `_STEP_TEMPLATE_MIN_SECONDS`); else None. `ksplits` are the
+  slice counts the site can realise: an lhs-stationary site that cannot be sliced in two
+  runs the collective algorithm."""
   if profile is None or request.ksplit is not None or request.algorithm is not None:
+    return None
+  if collective_seconds < _STEP_TEMPLATE_MIN_SECONDS:
     return None
   if backend_flags.profile_generation(profile.name) not in _STEP_TEMPLATE_MEASURED:
     return None

@@ -76,3 +76,17 @@ def test_a_pinned_site_keeps_its_pin_and_the_rest_the_template(layer):
   assert report.sites[18].ksplit == 4 and TEMPLATE not in report.sites[18].note
   assert not report.sites[0].rewritten
   assert TEMPLATE in report.sites[20].note and report.sites[20].ksplit == 2
+
+
+def test_latency_bound_sites_keep_the_per_site_model():
+  """Sites whose collective is predicted under `_STEP_TEMPLATE_MIN_SECONDS` (a layer of
+  4 x 128 heads at seq 128: 58-97 us) compiled slower under the template than XLA's
+  program: the per-site model plans them, here leaving every site to XLA."""
+  from meshslice.costmodel import model_spec
+  mesh = aot.make_mesh("v4:2x2x2", (2, 4))
+  step, params, batch = aot.model_step(model_spec("custom", heads=4, head_dim=128, seq=128),
+                                       mesh)
+  report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
+      "dense,async,all_to_all", "v4"))(params, batch)
+  assert not report.rewritten
+  assert not any(TEMPLATE in (s.note or "") for s in report.sites)
