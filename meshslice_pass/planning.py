@@ -26,6 +26,10 @@ winner must beat XLA's own program for the site (option xla_baseline; priced und
 than XLA_MARGIN (the model's error): otherwise the site is left alone, its reason naming
 both predicted times, and compiles as plain jit would. The rule's code is the cost model's
 (`meshslice.costmodel.site_choice`: `choose`, `leave_to_xla`), called through `costing`.
+Two exceptions rest on compiled programs, not on the per-site model: on tpu7x a tie with
+XLA goes to the collective rewrite (`_COLLECTIVE_OVER_XLA_MEASURED`), and on v4 every
+site large enough follows one plan for the whole step, the step template
+(`_STEP_TEMPLATE_MEASURED`), under the flags each was measured under.
 """
 from __future__ import annotations
 
