@@ -51,7 +51,9 @@ def _check(outcome):
   assert not outcome.failed, outcome.describe()
 
 
-@settings(max_examples=60, **SETTINGS)
+# 36 fixed examples per run (derandomized) keep the suite within its 10 minutes; the
+# campaign is `python bench/fuzz.py --examples 2000` (the same generator, any seed)
+@settings(max_examples=36, **SETTINGS)
 @given(fuzzing.dot_cases())
 @example(K_ORDERS_DIFFER)
 def test_dot_general_differential(case):
