@@ -624,7 +624,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     template = (None if no_overlap or algorithm is not None
                 else _step_template(ctx, profile, request, match.dataflow, ksplits,
-                                    baseline))
+                                    costmodel.predict(problem, "collective", flow, 1,
+                                                      profile).compute_s))
     if template is not None:
       algorithm, ksplit = template
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
@@ -677,26 +678,28 @@ _STEP_TEMPLATE_NOTE = _STEP_TEMPLATE_MARK + (
     "comes from\")")
 
 
-# The step template's smallest site: its collective plan predicted to take at least this
-# long. Below it a site is latency-bound and the template lost (a layer of 4 x 128 heads
-# at seq 128 on v4:2x2x2, sites of 58-97 us: 0.896x XLA routed), above it won (the
-# MaxText-style step at emb 2048 on v4:2x2x2, sites of 0.46-2.0 ms: 1.130x alpha-beta).
-_STEP_TEMPLATE_MIN_SECONDS = 200e-6
+# The step template's smallest site: its matmul predicted to compute for at least this
+# long, the work its collectives hide under. Every site of the programs it won on computes
+# for 2.4 ms or more (GPT-3, Megatron-NLG and Llama-shaped steps, one sequence of 2048-4096
+# tokens per chip, 256 to 4096 chips); it lost where they compute for less: GPT-3 at seq
+# 256 (sites of 0.3-1.2 ms; 1.105x XLA alpha-beta but 0.826x routed, 0.613x by libtpu's
+# scheduler) and a 4 x 128-head layer at seq 128 (0.896x routed).
+_STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 
 
-def _step_template(ctx, profile, request, dataflow, ksplits, collective_seconds
+def _step_template(ctx, profile, request, dataflow, ksplits, compute_seconds
                    ) -> tuple | None:
   """(algorithm, ksplit) for a site of `dataflow` where the step template applies
   (`_STEP_TEMPLATE_MEASURED`): a TPU generation it was measured on, compiled under the
   flags it was measured under (windowed einsum off, async all-to-all on, no SparseCore
   offload), reduce-scatters in the all-to-all form, neither algorithm nor ksplit pinned,
-  and a site not bound by latency (its collective plan predicted to take
-  `collective_seconds` >= `_STEP_TEMPLATE_MIN_SECONDS`); else None. `ksplits` are the
+  and a site with compute to hide its collectives under (its matmul predicted to take
+  `compute_seconds` >= `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`); else None. `ksplits` are the
   slice counts the site can realise: an lhs-stationary site that cannot be sliced in two
   runs the collective algorithm."""
   if profile is None or request.ksplit is not None or request.algorithm is not None:
     return None
-  if collective_seconds < _STEP_TEMPLATE_MIN_SECONDS:
+  if compute_seconds < _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
     return None
   if backend_flags.profile_generation(profile.name) not in _STEP_TEMPLATE_MEASURED:
     return None
