@@ -151,6 +151,13 @@ SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*
 # program (`planning._versus_xla`): a {'rewrite': True} pin rewrites it anyway.
 LEFT_TO_XLA = "left to XLA"
 
+# The starts of the note of a site planned by a rule measured on compiled steps rather
+# than by the per-site model (`planning._STEP_TEMPLATE_MEASURED`,
+# `planning._COLLECTIVE_OVER_XLA_MEASURED`): the report says its sum does not hold
+# their gain.
+STEP_TEMPLATE_NOTE = "the step template measured on"
+COLLECTIVE_OVER_XLA_NOTE = "collective S=1 rather than XLA's own program"
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Verdict:

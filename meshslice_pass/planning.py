@@ -456,7 +456,7 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
     return dataclasses.replace(best, note=_join(
         best.note, f"XLA's own program ({xla.description}) does not fit HBM either"))
   # the step template was compared with XLA's program on the compiled step, not per site
-  templated = best.rewritten and _STEP_TEMPLATE_MARK in best.note
+  templated = best.rewritten and pins.STEP_TEMPLATE_NOTE in best.note
   if templated or not costing.leave_to_xla(best.predicted_seconds, collective, xla,
                                            same_program=_compiles_as_xla(ctx)):
     return dataclasses.replace(best, xla_seconds=xla.seconds, note=_join(
@@ -469,7 +469,7 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
         site, algorithm="collective", ksplit=1, block=site.geometry.block_size(1),
         reduce_scatter=None, predicted_seconds=site.baseline_seconds,
         xla_seconds=xla.seconds, note=_join(site.note, (
-            f"collective S=1 rather than XLA's own program ({xla.description}) "
+            f"{pins.COLLECTIVE_OVER_XLA_NOTE} ({xla.description}) "
             f"{xla.seconds * 1e6:.1f} us, which the model prices the same: on {generation} "
             "under SparseCore offload the collective rewrite compiled faster than XLA's "
             "program wherever no other dataflow moves less (docs/benchmarks.md, "
@@ -670,8 +670,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
 # On v5p the same plan lost to the per-site plan (0.976x XLA routed), so it is v4's only.
 _STEP_TEMPLATE_MEASURED = ("v4",)
 
-_STEP_TEMPLATE_MARK = "the step template measured on"
-_STEP_TEMPLATE_NOTE = _STEP_TEMPLATE_MARK + (
+_STEP_TEMPLATE_NOTE = pins.STEP_TEMPLATE_NOTE + (
     " {generation} (collective S=1, lhs-stationary sites "
     "sliced in two, all-to-all reduce-scatters): it compiled faster than the per-site "
     "model's plan and XLA's program (docs/benchmarks.md, \"Where the tuned plan's gain "

@@ -30,6 +30,15 @@ class Report:
     return Plan.from_report(self)
 
   @property
+  def measured_on_compiled_steps(self) -> tuple:
+    """The rewritten sites planned by a rule measured on compiled steps (the v4 step
+    template, the tpu7x collective-over-XLA rule) rather than by the per-site model:
+    `xla_sites_seconds / plan_sites_seconds` understates what they gain."""
+    from .pins import COLLECTIVE_OVER_XLA_NOTE, STEP_TEMPLATE_NOTE
+    return tuple(s for s in self.rewritten if STEP_TEMPLATE_NOTE in (s.note or "")
+                 or COLLECTIVE_OVER_XLA_NOTE in (s.note or ""))
+
+  @property
   def rewritten(self) -> tuple:
     return tuple(s for s in self.sites if s.rewritten)
 
@@ -185,6 +194,11 @@ class Report:
       lines.append(f"the {len(self.compared)} sites priced against XLA's own program: "
                    f"{plan * 1e6:.1f} us vs {xla * 1e6:.1f} us per step "
                    f"({xla / plan if plan else 1.0:.2f}x; nothing else of the step priced)")
+      measured = self.measured_on_compiled_steps
+      if measured:
+        lines.append(f"{len(measured)} of them follow a plan chosen on compiled steps, not "
+                     "on this per-site model, whose gain is in the step's schedule and "
+                     "not in this sum (docs/tpu.md)")
     groups = self.reasons()
     if groups:
       lines.append("left alone, by reason:")

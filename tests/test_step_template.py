@@ -53,6 +53,10 @@ def test_default_plan_is_the_step_template_on_v4(layer):
              for s in report.rewritten)
   # priced at most as the collective: the per-site model charges the slices as exposed
   assert all(s.predicted_seconds <= s.baseline_seconds for s in report.rewritten)
+  # the report says its per-site sum does not hold the template's gain
+  assert report.measured_on_compiled_steps == report.rewritten
+  assert ("23 of them follow a plan chosen on compiled steps, not on this per-site model"
+          in str(report))
 
 
 @pytest.mark.parametrize("case", ["windowed einsum on", "v5p", "pinned algorithm",
@@ -67,6 +71,8 @@ def test_the_template_needs_what_it_was_measured_under(layer, case):
   }[case]
   report = _explain(layer, **options)
   assert not any(TEMPLATE in (s.note or "") for s in report.sites)
+  assert not report.measured_on_compiled_steps
+  assert "plan chosen on compiled steps" not in str(report)
   if case == "pinned algorithm":
     assert {s.ksplit for s in report.rewritten} == {1}
 

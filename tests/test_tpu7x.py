@@ -198,6 +198,8 @@ def test_default_plan_takes_the_collective_rewrite_over_a_tie_with_xla_on_tpu7x(
   assert all(s.predicted_seconds == s.xla_seconds == s.baseline_seconds for s in taken)
   assert "collective S=1 rather than XLA's own program" in taken[0].note
   assert len(report.rewritten) == 12
+  assert report.measured_on_compiled_steps == tuple(taken)
+  assert "12 of them follow a plan chosen on compiled steps" in str(report)
   assert all(s.reason.startswith("left to XLA") for s in report.sites
              if not s.rewritten and s.index not in (3, 4, 11, 12, 21, 22, 23, 24))
   # libtpu's defaults on tpu7x offload too, but keep windowed einsum: not what was measured
