@@ -355,7 +355,10 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # reshards' collective-permutes, which the SparseCore does not take, are waited on;
   # docs/benchmarks.md, "Ironwood (tpu7x)"), so there no site reshards on its own.
   offloaded = site.profile is not None and _offloaded(ctx, site.profile)
-  automatic = ctx.options.relayout and (
+  # Nor where the step template's flags hold but the site computes too little for it: a
+  # reshard's relayout copies cost more than the model prices, and there nothing hides
+  # them (GPT-3 at seq 256 on v4: one site resharded to os compiled 1.3 % slower than XLA)
+  automatic = ctx.options.relayout and _TOO_LITTLE_COMPUTE_NOTE not in site.note and (
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
           site.profile.name) in _FORWARD_RESHARDS_MEASURED))
   # Where the collective rewrite is taken over a tie with XLA (`_COLLECTIVE_OVER_XLA_
@@ -622,12 +625,17 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     if no_overlap:
       ksplits = (1,)
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
-    template = (None if no_overlap or algorithm is not None
-                else _step_template(ctx, profile, request, match.dataflow, ksplits,
-                                    costmodel.predict(problem, "collective", flow, 1,
-                                                      profile).compute_s))
-    if template is not None:
-      algorithm, ksplit = template
+    templated = (not no_overlap and algorithm is None
+                 and _step_template_applies(ctx, profile, request))
+    compute = templated and costmodel.predict(problem, "collective", flow, 1,
+                                              profile).compute_s
+    if templated and compute < _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
+      # too little compute for the template's collectives to hide under, or a sliced
+      # plan's: compiled, such sites ran slower than XLA sliced as well (GPT-3 at seq 256)
+      ksplits = (1,)
+      site = dataclasses.replace(site, note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
+    elif templated:
+      algorithm, ksplit = _step_template(match.dataflow, ksplits)
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
         # priced at most as the collective: the per-site model charges the slices' all-
         # to-alls as exposed, where on the compiled step the second slice's matmul hides
@@ -685,28 +693,34 @@ _STEP_TEMPLATE_NOTE = pins.STEP_TEMPLATE_NOTE + (
 # scheduler) and a 4 x 128-head layer at seq 128 (0.896x routed).
 _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 
+_TOO_LITTLE_COMPUTE_NOTE = (
+    "unsliced: under the flags of the step template its matmul computes for too little to "
+    "hide sliced collectives under (GPT-3 at seq 256 compiled slower than XLA sliced; "
+    "docs/tpu.md)")
 
-def _step_template(ctx, profile, request, dataflow, ksplits, compute_seconds
-                   ) -> tuple | None:
-  """(algorithm, ksplit) for a site of `dataflow` where the step template applies
-  (`_STEP_TEMPLATE_MEASURED`): a TPU generation it was measured on, compiled under the
-  flags it was measured under (windowed einsum off, async all-to-all on, no SparseCore
-  offload), reduce-scatters in the all-to-all form, neither algorithm nor ksplit pinned,
-  and a site with compute to hide its collectives under (its matmul predicted to take
-  `compute_seconds` >= `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`); else None. `ksplits` are the
-  slice counts the site can realise: an lhs-stationary site that cannot be sliced in two
-  runs the collective algorithm."""
+
+def _step_template_applies(ctx, profile, request) -> bool:
+  """Whether the step template (`_STEP_TEMPLATE_MEASURED`) plans an automatic site: a
+  TPU generation it was measured on, compiled under the flags it was measured under
+  (windowed einsum off, async all-to-all on, no SparseCore offload), reduce-scatters in
+  the all-to-all form, and neither algorithm nor ksplit pinned. A site that computes for
+  less than `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` is then planned unsliced by the per-site
+  model instead (`_plan_match`)."""
   if profile is None or request.ksplit is not None or request.algorithm is not None:
-    return None
-  if compute_seconds < _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
-    return None
+    return False
   if backend_flags.profile_generation(profile.name) not in _STEP_TEMPLATE_MEASURED:
-    return None
+    return False
   flags = ctx.options.compiler_flags
-  if (_offloaded(ctx, profile) or len(backend_flags.windowed_einsum_off(flags)) < 2
-      or _scatter_form(request, "collective", "ls", _automatic_scatter_form(ctx))
-      != "all_to_all"):
-    return None
+  return not (_offloaded(ctx, profile) or len(backend_flags.windowed_einsum_off(flags)) < 2
+              or _scatter_form(request, "collective", "ls", _automatic_scatter_form(ctx))
+              != "all_to_all")
+
+
+def _step_template(dataflow, ksplits) -> tuple:
+  """(algorithm, ksplit) the step template gives a site of `dataflow`: lhs-stationary
+  sites sliced in two, every other site the collective algorithm. `ksplits` are the slice
+  counts the site can realise: an lhs-stationary site that cannot be sliced in two runs
+  the collective algorithm."""
   if costing.model_dataflow(dataflow) == "ls" and not dataflow.startswith("1d") \
       and 2 in ksplits:
     return "meshslice", 2

@@ -100,5 +100,9 @@ def test_sites_with_little_compute_keep_the_per_site_model(shape):
   report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
       "dense,async,all_to_all", "v4"))(params, batch)
   assert not any(TEMPLATE in (s.note or "") for s in report.sites)
-  if model != "gpt3":
-    assert not report.rewritten
+  assert not report.measured_on_compiled_steps
+  # nor sliced or resharded by the per-site model: at seq 256 on 256 chips its sliced os
+  # sites compiled 0.94x XLA, and with them unsliced, one resharded site 0.985x: left to
+  # XLA, the step is XLA's program
+  assert not report.rewritten
+  assert all(s.reason.startswith(("left to XLA", "no mesh axis")) for s in report.sites)
