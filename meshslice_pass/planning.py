@@ -131,6 +131,11 @@ class Context:
   decided: dict = dataclasses.field(default_factory=dict, compare=False)
   # the parameters the program's values carry (`param_names.ParamNames`), or None
   param_names: object = dataclasses.field(default=None, compare=False)
+  # The step template decides on the whole step (`plan_program`): "probe" plans every site
+  # it could take as one with too little compute for it, recording each one's compute in
+  # `template_compute`; "on" gives them the template.
+  template_mode: str = dataclasses.field(default="probe", compare=False)
+  template_compute: list = dataclasses.field(default_factory=list, compare=False)
 
 
 def _devices(ctx):
@@ -145,6 +150,15 @@ def _profile(ctx, geometry):
 def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
   sites = []
   _walk(closed.jaxpr, analysis, ctx, (), [], sites)
+  # The step template (`_STEP_TEMPLATE_MEASURED`) is a plan for the whole step: it is
+  # taken when the step's largest matmul it could plan computes long enough to hide its
+  # collectives under, and then for every site it can plan, small ones included (the
+  # step's other work hides theirs). Else the first plan stands: those sites unsliced, in
+  # their own layout.
+  if ctx.template_compute and max(ctx.template_compute) >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
+    ctx = dataclasses.replace(ctx, decided={}, template_mode="on", template_compute=[])
+    sites = []
+    _walk(closed.jaxpr, analysis, ctx, (), [], sites)
   return _judge_pins(tuple(sites), ctx)
 
 
@@ -627,11 +641,12 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     templated = (not no_overlap and algorithm is None
                  and _step_template_applies(ctx, profile, request))
-    compute = templated and costmodel.predict(problem, "collective", flow, 1,
-                                              profile).compute_s
-    if templated and compute < _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
+    if templated and ctx.template_mode == "probe":
+      # the step's compute decides (`plan_program`); until then, a site of a step with
       # too little compute for the template's collectives to hide under, or a sliced
-      # plan's: compiled, such sites ran slower than XLA sliced as well (GPT-3 at seq 256)
+      # plan's: compiled, such steps ran slower than XLA sliced as well (GPT-3 at seq 256)
+      ctx.template_compute.append(
+          costmodel.predict(problem, "collective", flow, 1, profile).compute_s)
       ksplits = (1,)
       site = dataclasses.replace(site, note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
     elif templated:
@@ -685,27 +700,28 @@ _STEP_TEMPLATE_NOTE = pins.STEP_TEMPLATE_NOTE + (
     "comes from\")")
 
 
-# The step template's smallest site: its matmul predicted to compute for at least this
-# long, the work its collectives hide under. Every site of the programs it won on computes
-# for 2.4 ms or more (GPT-3, Megatron-NLG and Llama-shaped steps, one sequence of 2048-4096
-# tokens per chip, 256 to 4096 chips); it lost where they compute for less: GPT-3 at seq
-# 256 (sites of 0.3-1.2 ms; 1.105x XLA alpha-beta but 0.826x routed, 0.613x by libtpu's
-# scheduler) and a 4 x 128-head layer at seq 128 (0.896x routed).
+# The step template needs a step whose largest matmul it can plan is predicted to compute
+# for at least this long: the work the collectives hide under. In every program it won on
+# the largest computes for 7.6 ms or more (GPT-3, Megatron-NLG and Llama-shaped steps, one
+# sequence of 2048-4096 tokens per chip, 256 to 4096 chips; their smallest sites, 0.28 ms,
+# gained with them); it lost where the largest computes for 1.2 ms: GPT-3 at seq 256
+# (1.105x XLA alpha-beta but 0.826x routed, 0.613x by libtpu's scheduler), and a 4 x
+# 128-head layer at seq 128 (0.896x routed).
 _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 
 _TOO_LITTLE_COMPUTE_NOTE = (
-    "unsliced: under the flags of the step template its matmul computes for too little to "
-    "hide sliced collectives under (GPT-3 at seq 256 compiled slower than XLA sliced; "
-    "docs/tpu.md)")
+    "unsliced, in its own layout: under the flags of the step template, a step whose "
+    "matmuls compute for too little to hide sliced collectives or relayouts under (GPT-3 "
+    "at seq 256 compiled slower than XLA sliced and resharded; docs/tpu.md)")
 
 
 def _step_template_applies(ctx, profile, request) -> bool:
   """Whether the step template (`_STEP_TEMPLATE_MEASURED`) plans an automatic site: a
   TPU generation it was measured on, compiled under the flags it was measured under
   (windowed einsum off, async all-to-all on, no SparseCore offload), reduce-scatters in
-  the all-to-all form, and neither algorithm nor ksplit pinned. A site that computes for
-  less than `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` is then planned unsliced by the per-site
-  model instead (`_plan_match`)."""
+  the all-to-all form, and neither algorithm nor ksplit pinned. In a step whose largest
+  such site computes for less than `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` they are planned
+  by the per-site model instead, unsliced and in their own layout (`plan_program`)."""
   if profile is None or request.ksplit is not None or request.algorithm is not None:
     return False
   if backend_flags.profile_generation(profile.name) not in _STEP_TEMPLATE_MEASURED:
