@@ -27,9 +27,10 @@ than XLA_MARGIN (the model's error): otherwise the site is left alone, its reaso
 both predicted times, and compiles as plain jit would. The rule's code is the cost model's
 (`meshslice.costmodel.site_choice`: `choose`, `leave_to_xla`), called through `costing`.
 Two exceptions rest on compiled programs, not on the per-site model: on tpu7x a tie with
-XLA goes to the collective rewrite (`_COLLECTIVE_OVER_XLA_MEASURED`), and on v4 every
-site large enough follows one plan for the whole step, the step template
-(`_STEP_TEMPLATE_MEASURED`), under the flags each was measured under.
+XLA goes to the collective rewrite (`_COLLECTIVE_OVER_XLA_MEASURED`), and on v4 a step
+with enough compute follows one plan for the whole step, the step template
+(`_STEP_TEMPLATE_MEASURED`, decided in `plan_program`), under the flags each was
+measured under.
 """
 from __future__ import annotations
 
@@ -369,9 +370,10 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # reshards' collective-permutes, which the SparseCore does not take, are waited on;
   # docs/benchmarks.md, "Ironwood (tpu7x)"), so there no site reshards on its own.
   offloaded = site.profile is not None and _offloaded(ctx, site.profile)
-  # Nor where the step template's flags hold but the site computes too little for it: a
-  # reshard's relayout copies cost more than the model prices, and there nothing hides
-  # them (GPT-3 at seq 256 on v4: one site resharded to os compiled 1.3 % slower than XLA)
+  # Nor a site the step template could plan in a step without the compute for it (the
+  # first pass of `plan_program`): a reshard's relayout copies cost more than the model
+  # prices and nothing hides them (GPT-3 at seq 256 on v4: one site resharded to os
+  # compiled 1.3 % slower than XLA)
   automatic = ctx.options.relayout and _TOO_LITTLE_COMPUTE_NOTE not in site.note and (
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
           site.profile.name) in _FORWARD_RESHARDS_MEASURED))
