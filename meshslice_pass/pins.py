@@ -151,10 +151,10 @@ SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*
 # program (`planning._versus_xla`): a {'rewrite': True} pin rewrites it anyway.
 LEFT_TO_XLA = "left to XLA"
 
-# The starts of the note of a site planned by a rule measured on compiled steps rather
-# than by the per-site model (`planning._STEP_TEMPLATE_MEASURED`,
+# What the note of a site contains when a rule measured on compiled steps planned it
+# rather than the per-site model (`planning._STEP_TEMPLATE_MEASURED`,
 # `planning._COLLECTIVE_OVER_XLA_MEASURED`): the report says its sum does not hold
-# their gain.
+# their gain (`Report.measured_on_compiled_steps`).
 STEP_TEMPLATE_NOTE = "the step template measured on"
 COLLECTIVE_OVER_XLA_NOTE = "collective S=1 rather than XLA's own program"
 
