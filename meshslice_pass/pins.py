@@ -151,12 +151,15 @@ SEE_SITES = "see the site indexes and sources with print(meshslice.explain(fn)(*
 # program (`planning._versus_xla`): a {'rewrite': True} pin rewrites it anyway.
 LEFT_TO_XLA = "left to XLA"
 
-# What the note of a site contains when a rule measured on compiled steps planned it
-# rather than the per-site model (`planning._STEP_TEMPLATE_MEASURED`,
-# `planning._COLLECTIVE_OVER_XLA_MEASURED`): the report says its sum does not hold
-# their gain (`Report.measured_on_compiled_steps`).
-STEP_TEMPLATE_NOTE = "the step template measured on"
-COLLECTIVE_OVER_XLA_NOTE = "collective S=1 rather than XLA's own program"
+# The rules measured on compiled steps that can plan a site instead of the per-site model
+# (`planning.Site.rule`): the v4 step template (`planning._STEP_TEMPLATE_MEASURED`), its
+# guard for steps with too little compute (unsliced, own layout), and the tpu7x
+# collective-over-XLA rule (`planning._COLLECTIVE_OVER_XLA_MEASURED`). The report says its
+# per-site sum does not hold the first and last rules' gain
+# (`Report.measured_on_compiled_steps`).
+STEP_TEMPLATE_RULE = "step_template"
+STEP_TEMPLATE_GUARD_RULE = "step_template_guard"
+COLLECTIVE_OVER_XLA_RULE = "collective_over_xla"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -112,6 +112,10 @@ class Site:
   # the enclosing higher-order primitives, outermost first ("scan", "while", ...): the
   # parts `context` joins for display, for code that asks what a site is inside
   scopes: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+  # the rule measured on compiled steps that planned the site instead of the per-site
+  # model, if one did (`pins.STEP_TEMPLATE_RULE`, `STEP_TEMPLATE_GUARD_RULE`,
+  # `COLLECTIVE_OVER_XLA_RULE`); `note` says it in words
+  rule: str = ""
 
   @property
   def label(self) -> str:
@@ -374,7 +378,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # first pass of `plan_program`): a reshard's relayout copies cost more than the model
   # prices and nothing hides them (GPT-3 at seq 256 on v4: one site resharded to os
   # compiled 1.3 % slower than XLA)
-  automatic = ctx.options.relayout and _TOO_LITTLE_COMPUTE_NOTE not in site.note and (
+  automatic = ctx.options.relayout and site.rule != pins.STEP_TEMPLATE_GUARD_RULE and (
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
           site.profile.name) in _FORWARD_RESHARDS_MEASURED))
   # Where the collective rewrite is taken over a tie with XLA (`_COLLECTIVE_OVER_XLA_
@@ -475,7 +479,7 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
     return dataclasses.replace(best, note=_join(
         best.note, f"XLA's own program ({xla.description}) does not fit HBM either"))
   # the step template was compared with XLA's program on the compiled step, not per site
-  templated = best.rewritten and pins.STEP_TEMPLATE_NOTE in best.note
+  templated = best.rewritten and best.rule == pins.STEP_TEMPLATE_RULE
   if templated or not costing.leave_to_xla(best.predicted_seconds, collective, xla,
                                            same_program=_compiles_as_xla(ctx)):
     return dataclasses.replace(best, xla_seconds=xla.seconds, note=_join(
@@ -487,8 +491,8 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
     return dataclasses.replace(
         site, algorithm="collective", ksplit=1, block=site.geometry.block_size(1),
         reduce_scatter=None, predicted_seconds=site.baseline_seconds,
-        xla_seconds=xla.seconds, note=_join(site.note, (
-            f"{pins.COLLECTIVE_OVER_XLA_NOTE} ({xla.description}) "
+        xla_seconds=xla.seconds, rule=pins.COLLECTIVE_OVER_XLA_RULE, note=_join(site.note, (
+            f"collective S=1 rather than XLA's own program ({xla.description}) "
             f"{xla.seconds * 1e6:.1f} us, which the model prices the same: on {generation} "
             "under SparseCore offload the collective rewrite compiled faster than XLA's "
             "program wherever no other dataflow moves less (docs/benchmarks.md, "
@@ -650,7 +654,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       ctx.template_compute.append(
           costmodel.predict(problem, "collective", flow, 1, profile).compute_s)
       ksplits = (1,)
-      site = dataclasses.replace(site, note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
+      site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
+                                 note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
     elif templated:
       algorithm, ksplit = _step_template(match.dataflow, ksplits)
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
@@ -662,7 +667,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
         form = _scatter_form(request, algorithm, match.dataflow, _automatic_scatter_form(ctx))
         return dataclasses.replace(
             site, algorithm=algorithm, ksplit=ksplit, block=geometry.block_size(ksplit),
-            reduce_scatter=form, predicted_seconds=seconds,
+            reduce_scatter=form, predicted_seconds=seconds, rule=pins.STEP_TEMPLATE_RULE,
             note=_join(site.note, _STEP_TEMPLATE_NOTE.format(
                 generation=backend_flags.profile_generation(profile.name))))
       algorithm = None    # the template does not fit HBM: the cost model chooses
@@ -695,8 +700,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
 # On v5p the same plan lost to the per-site plan (0.976x XLA routed), so it is v4's only.
 _STEP_TEMPLATE_MEASURED = ("v4",)
 
-_STEP_TEMPLATE_NOTE = pins.STEP_TEMPLATE_NOTE + (
-    " {generation} (collective S=1, lhs-stationary sites "
+_STEP_TEMPLATE_NOTE = (
+    "the step template measured on {generation} (collective S=1, lhs-stationary sites "
     "sliced in two, all-to-all reduce-scatters): it compiled faster than the per-site "
     "model's plan and XLA's program (docs/benchmarks.md, \"Where the tuned plan's gain "
     "comes from\")")

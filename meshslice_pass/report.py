@@ -34,9 +34,9 @@ class Report:
     """The rewritten sites planned by a rule measured on compiled steps (the v4 step
     template, the tpu7x collective-over-XLA rule) rather than by the per-site model:
     `xla_sites_seconds / plan_sites_seconds` understates what they gain."""
-    from .pins import COLLECTIVE_OVER_XLA_NOTE, STEP_TEMPLATE_NOTE
-    return tuple(s for s in self.rewritten if STEP_TEMPLATE_NOTE in (s.note or "")
-                 or COLLECTIVE_OVER_XLA_NOTE in (s.note or ""))
+    from .pins import COLLECTIVE_OVER_XLA_RULE, STEP_TEMPLATE_RULE
+    return tuple(s for s in self.rewritten
+                 if getattr(s, "rule", "") in (STEP_TEMPLATE_RULE, COLLECTIVE_OVER_XLA_RULE))
 
   @property
   def rewritten(self) -> tuple:

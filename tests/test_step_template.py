@@ -35,6 +35,7 @@ def test_default_plan_is_the_step_template_on_v4(layer):
   report = _explain(layer)
   assert [s.index for s in report.sites if not s.rewritten] == NOT_2D
   assert all(TEMPLATE in s.note for s in report.rewritten)
+  assert {s.rule for s in report.rewritten} == {"step_template"}
   plans = {s.index: (s.algorithm, s.dataflow, s.ksplit, s.reduce_scatter)
            for s in report.rewritten}
   ls = [i for i, p in plans.items() if p[1] == "ls"]
@@ -80,6 +81,7 @@ def test_the_template_needs_what_it_was_measured_under(layer, case):
 def test_a_pinned_site_keeps_its_pin_and_the_rest_the_template(layer):
   report = _explain(layer, overrides={18: {"ksplit": 4}, 0: {"rewrite": False}})
   assert report.sites[18].ksplit == 4 and TEMPLATE not in report.sites[18].note
+  assert report.sites[18].rule == "" and report.sites[20].rule == "step_template"
   assert not report.sites[0].rewritten
   assert TEMPLATE in report.sites[20].note and report.sites[20].ksplit == 2
 

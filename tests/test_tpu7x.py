@@ -197,6 +197,7 @@ def test_default_plan_takes_the_collective_rewrite_over_a_tie_with_xla_on_tpu7x(
   assert {(s.algorithm, s.ksplit, s.reduce_scatter) for s in taken} == {("collective", 1, None)}
   assert all(s.predicted_seconds == s.xla_seconds == s.baseline_seconds for s in taken)
   assert "collective S=1 rather than XLA's own program" in taken[0].note
+  assert {s.rule for s in taken} == {"collective_over_xla"}
   assert len(report.rewritten) == 12
   assert report.measured_on_compiled_steps == tuple(taken)
   assert "12 of them follow a plan chosen on compiled steps" in str(report)
