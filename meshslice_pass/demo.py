@@ -39,24 +39,60 @@ from .gpt import train_step as train_step
 from .gpt import result_layout as _result_layout  # noqa: F401
 from .gpt import block as _block  # noqa: F401
 from .gpt import layernorm as _layernorm  # noqa: F401
+from . import backend_flags
 from .transform import explain, transform
 
 
-def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print, **options):
+def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
+                  flags: str | None = "dense,async,all_to_all", **options):
   """Plan `cfg`'s training step for a pod of prod(mesh_shape) chips from this machine
-  and print the cost model's verdict. Returns the `Report`."""
+  and print the verdict. Returns the `Report`.
+
+  `flags` are the libtpu flag presets (`aot.preset_flags`) the step would be compiled
+  under on the profile's TPU generation, as the project's TPU results are: planning
+  depends on them (on v4 the `dense,async,all_to_all` preset gives the step template,
+  docs/tpu.md). None plans without compiler flags. `options` go to `meshslice.explain`.
+
+  Example:
+    >>> report = plan_at_scale(echo=lambda line: None)        # doctest: +SKIP
+    >>> report.plan_counts()                                   # doctest: +SKIP
+    {'collective os S=1': 11, 'collective rs S=1': 6, 'meshslice ls S=2': 6}
+  """
+  options.setdefault("profile", "tpu-v4")
+  generation = backend_flags.profile_generation(options["profile"])
+  if flags and generation:
+    options.setdefault("compiler_flags", backend_flags.preset_flags(flags, generation))
+    if "all_to_all" in flags:
+      # what reduce_scatter="auto" means on a TPU mesh under async all-to-all; an
+      # AbstractMesh names no platform, so it is said here
+      options.setdefault("reduce_scatter", "all_to_all")
   mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), ("x", "y"),
                                    axis_types=(AxisType.Auto,) * 2)
   report = explain(make_step(cfg, mesh), **options)(*abstract_inputs(cfg, mesh))
   plans = report.plan_counts()
   chips = int(np.prod(mesh_shape))
+  under = f", libtpu flags of the {flags!r} preset" if flags and generation else ""
   echo(f"part 1 -- plan for the real target: one GPT-3 layer (hidden {cfg.hidden}, ffn "
        f"{cfg.ffn}, {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}), fwd + bwd, on {chips} "
-       f"chips as a {mesh_shape[0]}x{mesh_shape[1]} mesh, profile {report.profile}")
+       f"chips as a {mesh_shape[0]}x{mesh_shape[1]} mesh, profile {report.profile}{under}")
   echo(f"  {len(report.rewritten)} of {len(report.sites)} matmuls planned: "
        + ", ".join(f"{n} x {k}" for k, n in plans.items())
        + f"; {len(report.left_alone)} left alone (attention einsums: nothing to "
          "communicate)")
+  measured = report.measured_on_compiled_steps
+  if measured and len(measured) == len(report.rewritten) and generation:
+    echo(f"  the step template: the plan measured fastest on compiled {generation} steps, "
+         "ahead of XLA's program and of the per-site model's choices; the per-site cost "
+         "model cannot price its gain (docs/tpu.md, docs/benchmarks.md)")
+    from . import aot
+    try:
+      topology = aot.topology_name(generation, chips)
+    except ValueError:      # no usual slice of that many chips: nothing to suggest
+      return report
+    echo(f"  compile it: python -m meshslice aot --model gpt3 --topology {topology} "
+         f"--mesh {mesh_shape[0]}x{mesh_shape[1]} --flags {flags}   (pip install -e "
+         "'.[tpu]')")
+    return report
   gain = report.baseline_seconds / report.predicted_seconds if report.predicted_seconds else 1
   echo(f"  predicted time of those matmuls: {report.predicted_seconds * 1e3:.1f} ms vs "
        f"{report.baseline_seconds * 1e3:.1f} ms with the plain collective algorithm "

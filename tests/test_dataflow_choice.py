@@ -158,8 +158,9 @@ def test_the_gpt3_layer_at_64x4_runs_fewer_slices_where_the_model_cannot_tell():
   from meshslice import demo, gpt
   # the rule between rewrites; against XLA (by more than costing.XLA_MARGIN) these
   # sites are left alone by the default plan
+  # without compiler flags: under the v4 preset the step template plans these sites
   report = demo.plan_at_scale(gpt.GPT3_LAYER, mesh_shape=(64, 4), echo=lambda *a: None,
-                              xla_baseline="none")
+                              flags=None, xla_baseline="none")
   overridden = [s for s in report.rewritten if "fewer slices than" in s.note]
   assert overridden
   for s in overridden:
@@ -169,3 +170,23 @@ def test_the_gpt3_layer_at_64x4_runs_fewer_slices_where_the_model_cannot_tell():
   qkv = [s for s in report.rewritten if s.dataflow == "os" and s.lhs_shape == (256, 2048, 12288)
          and s.rhs_shape == (12288, 12288)]
   assert qkv and {(s.algorithm, s.ksplit) for s in qkv} == {("meshslice", 2)}
+
+
+def test_the_demo_plans_the_pod_under_the_flags_the_results_use():
+  """The demo's part 1 plans the GPT-3 layer for 256 v4 chips under the libtpu presets
+  the README's results were compiled with (`dense,async,all_to_all`), so it shows the
+  plan a v4 user gets by default there: the step template, and the command that
+  compiles it."""
+  from meshslice import demo, gpt
+  lines = []
+  report = demo.plan_at_scale(gpt.GPT3_LAYER, mesh_shape=(64, 4), echo=lines.append)
+  assert report.plan_counts(reduce_scatter=True) == {
+      "collective os S=1": 11, "collective rs S=1 rs=all_to_all": 6,
+      "meshslice ls S=2 rs=all_to_all": 6}
+  assert report.measured_on_compiled_steps == report.rewritten
+  assert lines[0].endswith("profile tpu-v4, libtpu flags of the 'dense,async,all_to_all' "
+                           "preset")
+  assert lines[2].startswith("  the step template: the plan measured fastest on compiled "
+                             "v4 steps")
+  assert lines[3].startswith("  compile it: python -m meshslice aot --model gpt3 "
+                             "--topology v4:8x8x4 --mesh 64x4 --flags dense,async,all_to_all")
