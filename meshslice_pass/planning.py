@@ -67,6 +67,10 @@ class Site:
   `source` is the innermost 'file:line' of the user's code (library frames skipped, the
   file relative to the project: see `provenance.portable_path`); `module` the module
   path from the JAX name stack, e.g. 'Model/MlpBlock_0/Dense_1' (`module_path`).
+  `rule` names the rule measured on compiled steps that planned the site instead of the
+  per-site cost model, if one did ("step_template" on v4, or "step_template_guard" in
+  a step with too little compute for it; "collective_over_xla" on tpu7x; docs/tpu.md),
+  e.g. `[s.index for s in report.sites if s.rule]`.
   """
   index: int
   path: tuple
