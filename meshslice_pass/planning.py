@@ -521,7 +521,8 @@ _FORWARD_RESHARDS_MEASURED = ("v5p", "v6e")
 # faster rewritten as the plain collective algorithm (one all-gather per operand, one
 # ring reduce-scatter) in their own layouts than left to XLA: tpu7x, the default plan
 # 1.13-1.59x XLA on GPT-3 / Llama-shaped layers and whole steps from 8 to 2048
-# TensorCores, and 0.996x on a 0.7 ms toy step (docs/benchmarks.md, "Ironwood (tpu7x),
+# TensorCores (1.30-1.34x on the 256-chip whole steps with each side at its best of
+# two meshes), and 0.996x on a 0.7 ms toy step (docs/benchmarks.md, "Ironwood (tpu7x),
 # 256 chips: a whole step"). XLA's program there moved up to twice the collective bytes.
 # Where another dataflow's collective moves less (GPT-3 at seq 256), XLA's program won by
 # 2x, so such sites stay XLA's.
