@@ -39,7 +39,7 @@ from .gpt import train_step as train_step
 from .gpt import result_layout as _result_layout  # noqa: F401
 from .gpt import block as _block  # noqa: F401
 from .gpt import layernorm as _layernorm  # noqa: F401
-from . import backend_flags
+from . import backend_flags, pins
 from .transform import explain, transform
 
 
@@ -62,7 +62,7 @@ def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
   generation = backend_flags.profile_generation(options["profile"])
   if flags and generation:
     options.setdefault("compiler_flags", backend_flags.preset_flags(flags, generation))
-    if "all_to_all" in flags:
+    if backend_flags.async_all_to_all(options["compiler_flags"]):
       # what reduce_scatter="auto" means on a TPU mesh under async all-to-all; an
       # AbstractMesh names no platform, so it is said here
       options.setdefault("reduce_scatter", "all_to_all")
@@ -79,8 +79,7 @@ def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
        + ", ".join(f"{n} x {k}" for k, n in plans.items())
        + f"; {len(report.left_alone)} left alone (attention einsums: nothing to "
          "communicate)")
-  measured = report.measured_on_compiled_steps
-  if measured and len(measured) == len(report.rewritten) and generation:
+  if report.rewritten and all(s.rule == pins.STEP_TEMPLATE_RULE for s in report.rewritten):
     echo(f"  the step template: the plan measured fastest on compiled {generation} steps, "
          "ahead of XLA's program and of the per-site model's choices; the per-site cost "
          "model cannot price its gain (docs/tpu.md, docs/benchmarks.md)")
