@@ -306,8 +306,8 @@ import meshslice
 from meshslice import aot
 mesh = aot.make_mesh("tpu7x:2x2x1", (2, 4))
 # a two-matmul MLP step, every operand in the 2D layout (rows over x, columns over y):
-# small enough that libtpu compiles it in seconds, with forward, data- and weight-gradient
-# sites of every dataflow
+# small enough that libtpu compiles it in seconds: 2 forward, 1 data- and 2 weight-
+# gradient sites
 def step(w1, w2, x):
   def loss(w1, w2):
     return jnp.mean(jnp.square(jnp.tanh(x @ w1) @ w2))
