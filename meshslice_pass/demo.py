@@ -43,6 +43,22 @@ from . import backend_flags, pins
 from .transform import explain, transform
 
 
+# `aot.model_step`'s one-layer models, by the name its CLI takes, and how they are called
+_NAMED_LAYERS = {"gpt3": "GPT-3", "megatron": "Megatron-NLG"}
+
+
+def _named_layer(cfg: ModelConfig, chips: int) -> str | None:
+  """The `aot.model_step` model whose one-layer step at `chips` chips (one sequence per
+  chip, bf16) `cfg` is, or None: the caption names it and the `aot` command compiles it."""
+  from meshslice.costmodel import model_spec
+  for name in _NAMED_LAYERS:
+    spec = model_spec(name)
+    if (cfg.layers, cfg.batch, cfg.seq, cfg.hidden, cfg.heads, cfg.ffn, cfg.dtype) == (
+        1, chips, spec.seq, spec.hidden, spec.heads, 4 * spec.hidden, "bfloat16"):
+      return name
+  return None
+
+
 def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
                   flags: str | None = "dense,async,all_to_all", **options):
   """Plan `cfg`'s training step for a pod of prod(mesh_shape) chips from this machine
@@ -71,8 +87,11 @@ def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
   report = explain(make_step(cfg, mesh), **options)(*abstract_inputs(cfg, mesh))
   plans = report.plan_counts()
   chips = int(np.prod(mesh_shape))
+  named = _named_layer(cfg, chips)
   under = f", libtpu flags of the {flags!r} preset" if flags and generation else ""
-  echo(f"part 1 -- plan for the real target: one GPT-3 layer (hidden {cfg.hidden}, ffn "
+  what = (f"one {_NAMED_LAYERS[named]} layer" if named
+          else f"{cfg.layers} layer{'s' if cfg.layers > 1 else ''}")
+  echo(f"part 1 -- plan for the real target: {what} (hidden {cfg.hidden}, ffn "
        f"{cfg.ffn}, {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}), fwd + bwd, on {chips} "
        f"chips as a {mesh_shape[0]}x{mesh_shape[1]} mesh, profile {report.profile}{under}")
   echo(f"  {len(report.rewritten)} of {len(report.sites)} matmuls planned: "
@@ -83,12 +102,14 @@ def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
     echo(f"  the step template: the plan measured fastest on compiled {generation} steps, "
          "ahead of XLA's program and of the per-site model's choices; the per-site cost "
          "model cannot price its gain (docs/tpu.md, docs/benchmarks.md)")
+    if named is None:       # not a layer `aot --model` builds: no command to suggest
+      return report
     from . import aot
     try:
       topology = aot.topology_name(generation, chips)
     except ValueError:      # no usual slice of that many chips: nothing to suggest
       return report
-    echo(f"  compile it: python -m meshslice aot --model gpt3 --topology {topology} "
+    echo(f"  compile it: python -m meshslice aot --model {named} --topology {topology} "
          f"--mesh {mesh_shape[0]}x{mesh_shape[1]} --flags {flags}   (pip install -e "
          "'.[tpu]')")
     return report

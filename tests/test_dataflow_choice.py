@@ -190,3 +190,24 @@ def test_the_demo_plans_the_pod_under_the_flags_the_results_use():
                              "v4 steps")
   assert lines[3].startswith("  compile it: python -m meshslice aot --model gpt3 "
                              "--topology v4:8x8x4 --mesh 64x4 --flags dense,async,all_to_all")
+
+
+def test_the_pod_plan_names_only_a_layer_aot_can_build():
+  """plan_at_scale names the layer and suggests the `aot --model` command only for a
+  config that is one of aot.model_step's layers at that many chips; any other config is
+  described by its sizes, with no command that would compile a different model."""
+  import dataclasses
+  from meshslice import demo, gpt
+  from meshslice.costmodel import model_spec
+  meg = model_spec("megatron")
+  megatron = dataclasses.replace(gpt.GPT3_LAYER, hidden=meg.hidden, heads=meg.heads,
+                                 ffn=4 * meg.hidden)
+  assert demo._named_layer(gpt.GPT3_LAYER, 256) == "gpt3"
+  assert demo._named_layer(megatron, 256) == "megatron"
+  assert demo._named_layer(gpt.GPT3_LAYER, 512) is None        # one sequence per chip
+  lines = []
+  other = dataclasses.replace(gpt.GPT3_LAYER, seq=1024)
+  report = demo.plan_at_scale(other, mesh_shape=(64, 4), echo=lines.append)
+  assert lines[0].startswith("part 1 -- plan for the real target: 1 layer (hidden 12288, "
+                             "ffn 49152, 256 x 1024 tokens, bfloat16)")
+  assert report.measured_on_compiled_steps and not any("compile it:" in l for l in lines)
