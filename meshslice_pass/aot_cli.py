@@ -22,6 +22,7 @@ import tempfile
 from .aot import (_ROWS, VARIANTS, FreshProcessError, _largest_wait,  # noqa: F401
                   compare, format_table, have_libtpu, parse_topology, preset_flags,
                   run_in_fresh_process, set_flags, variant_flags, versus_best_xla)
+from .backend_flags import rewrite_presets
 
 
 def _variant_worker(args, gen, shape, options) -> int:
@@ -85,13 +86,16 @@ def main(argv=None) -> int:
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="programs to compile, comma-separated, from: "
                            + ", ".join(VARIANTS) + " (default: all)")
-  parser.add_argument("--flags", default="async",
-                      help="libtpu flag presets for the meshslice variant, comma-separated: "
+  parser.add_argument("--flags", default=None,
+                      help="libtpu flag presets for the meshslice variants, comma-separated: "
                            "default (none), async (the generation's async collective flags: "
                            "no all-gather continuation fusion on v4/v5p/v6e, docs/tpu.md), "
                            "fusion (MaxText's continuation-fusion group), safe_async, dense "
-                           "(windowed einsum off); default: async. The XLA variants use "
-                           "defaults / dense, each also with async")
+                           "(windowed einsum off), all_to_all (async all-to-all: "
+                           "reduce-scatters sent as all-to-alls); default: the generation's "
+                           "(async,all_to_all on v4, async elsewhere; meshslice_dense adds "
+                           "dense). The XLA variants use defaults / dense, each also with "
+                           "async")
   parser.add_argument("--profile", default=None,
                       help="hardware profile for planning and the simulator (default: the "
                            "topology's generation)")
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
       ws._check_divides(cfg, jax.sharding.AbstractMesh(shape, ("x", "y")))
     except ValueError as e:
       parser.error(f"--whole --model {args.model}: {e}")
+  if args.flags is None:
+    args.flags = rewrite_presets(gen.name)
   try:
     meshslice_flags = preset_flags(args.flags, gen.name)
   except ValueError as e:

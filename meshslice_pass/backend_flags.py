@@ -138,11 +138,17 @@ class Generation:
   devices_per_chip: int = 1  # 2 on tpu7x: each TensorCore is its own device
   # the async collective flags to compile and run with (`tpu_overlap_flags`)
   async_flags: tuple = dataclasses.field(default=SAFE_ASYNC_FLAGS, repr=False)
+  # the `preset_flags` presets the rewrite is compiled under by default
+  # (`rewrite_presets`): on v4 libtpu keeps reduce-scatters synchronous, and with async
+  # all-to-all on `reduce_scatter="auto"` sends them as all-to-alls, which overlap
+  # (docs/tpu.md); XLA's own programs do not change with that flag
+  rewrite_presets: str = "async"
 
 
 GENERATIONS = {
     "v4": Generation(name="v4", profile="tpu-v4", torus_dims=3, chip_config="megacore",
-                     max_chips=4096, device_kind="TPU v4", async_flags=SAFE_ASYNC_FLAGS),
+                     max_chips=4096, device_kind="TPU v4", async_flags=SAFE_ASYNC_FLAGS,
+                     rewrite_presets="async,all_to_all"),
     "v5p": Generation(name="v5p", profile="tpu-v5p", torus_dims=3, chip_config="megacore",
                       max_chips=8960, device_kind="TPU v5",
                       async_flags=SAFE_ASYNC_FLAGS + SPARSE_CORE_OFFLOAD_FLAGS),
@@ -191,6 +197,20 @@ def tpu_generation(device_kind: str) -> str | None:
     'tpu7x'
   """
   return _DEVICE_KINDS.get(str(device_kind).strip().lower())
+
+
+def rewrite_presets(generation: str | None) -> str:
+  """The flag presets (`preset_flags` names) the rewrite is compiled under by default on
+  a TPU generation, e.g. by `python -m meshslice aot`: the generation's async collective
+  flags, and on v4 async all-to-all too (`Generation.rewrite_presets`). None or an
+  unknown generation: "async".
+
+  Example:
+    >>> rewrite_presets("v4"), rewrite_presets("v5p")
+    ('async,all_to_all', 'async')
+  """
+  row = GENERATIONS.get(generation) if generation else None
+  return row.rewrite_presets if row else "async"
 
 
 def tpu_overlap_flags(generation: str | None) -> tuple:

@@ -186,6 +186,29 @@ def test_aot_cli_runs_each_variant_in_a_fresh_process(monkeypatch, capsys):
   argv, prefix, drop_env = calls[0]
   assert argv[:3] == ["-m", "meshslice", "aot"] and "--variant=plain" in argv
   assert "--seq=128" in argv and drop_env == ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+  # the rewrite's default presets are the generation's: on v4 async all-to-all too, so
+  # that reduce-scatters overlap as all-to-alls and meshslice_dense compiles under the
+  # step template's flags; XLA's variants get the async flags alone
+  assert "--flags=async,all_to_all" in argv
+  head = out[:out.index("report of meshslice")]        # the flags listed before compiling
+  listed = dict(l.strip().split(": ", 1) for l in head.splitlines()
+                if l.startswith(("  plain: ", "  meshslice: ")))
+  assert listed["meshslice"] == " ".join(aot.preset_flags("async,all_to_all", "v4"))
+  assert listed["plain"] == "(libtpu defaults)"
+
+
+def test_aot_cli_default_flags_follow_the_generation(monkeypatch, capsys):
+  calls = []
+  monkeypatch.setattr(aot_cli, "have_libtpu", lambda: True)
+  monkeypatch.setattr(aot_cli, "run_in_fresh_process", _fake_cli_worker(calls=calls))
+  for topology, presets in (("v5p:2x2x1", "async"), ("tpu7x:2x2x1", "async"),
+                            ("v4:2x2x1", "dense,async")):       # given: taken as given
+    calls.clear()
+    given = [f"--flags={presets}"] if presets == "dense,async" else []
+    assert aot_cli.main([f"--topology={topology}", "--mesh=2x2", "--variants=meshslice",
+                         *given]) == 0
+    assert f"--flags={presets}" in calls[0][0], (topology, calls[0][0])
+  capsys.readouterr()
 
 
 @pytest.mark.parametrize("variant,status,writes,printed", [
