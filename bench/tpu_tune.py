@@ -28,6 +28,8 @@ at a time; ~30 compiles a sweep for GPT-3's layer). --flags:
 libtpu flag presets (`aot.preset_flags`, default dense,async,all_to_all) for the
 topology's generation, set before libtpu loads. --whole tunes the whole training step
 (`meshslice.whole_step`, 4 scanned layers by default) instead of one layer.
+--plan_out=PATH saves the chosen plan (Plan JSON, `meshslice.transform(step,
+plan=PATH)`), so a refine result can be applied and compiled again without a rerun.
 """
 import importlib
 import json
@@ -60,6 +62,8 @@ _ROUTED = flags.DEFINE_bool("routed", True, "also price every candidate's compil
                             "schedule under the routed-links model (torus links; no "
                             "recompiling) and give the least favourable ratio")
 _JSON = flags.DEFINE_string("json", "", "also write the rows as JSON lines here")
+_PLAN_OUT = flags.DEFINE_string("plan_out", "", "also save the chosen plan here (Plan JSON: "
+                                "meshslice.transform(step, plan=PATH) applies it)")
 _CACHE_DIR = flags.DEFINE_string("cache_dir", None, "keep compiled candidates here and read "
                                  "back those compiled before (tune's cache_dir)")
 
@@ -181,6 +185,9 @@ def main(argv):
         f"{f', refine {_REFINE.value}' if _REFINE.value else ''}; "
         "limit = XLA's compute")
   print(table(records))
+  if _PLAN_OUT.value:
+    plan.save(_PLAN_OUT.value)
+    print(f"chosen plan saved to {_PLAN_OUT.value}")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       for r in records:
