@@ -494,6 +494,17 @@ def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = 
 
 # ----------------------------------------------------------------------------- models
 
+def layer_config(spec, devices: int, *, layers: int | None = None, batch: int | None = None,
+                 dtype: str | None = None):
+  """The `gpt.ModelConfig` of `model_step`'s layer step for a `costmodel.ModelSpec` on
+  `devices` devices: 1 layer, one sequence per device and bf16 unless given, ffn 4x
+  hidden."""
+  from . import gpt
+  return gpt.ModelConfig(layers=1 if layers is None else layers, batch=batch or devices,
+                         seq=spec.seq, hidden=spec.hidden, heads=spec.heads,
+                         ffn=4 * spec.hidden, dtype=dtype or "bfloat16")
+
+
 def model_step(model: str, mesh, *, layers: int | None = None, batch: int | None = None,
                seq: int | None = None, dtype: str | None = None, whole: bool = False):
   """A training step of `model` on `mesh` (axes (..., row, col), e.g. ("x", "y"); a
@@ -543,9 +554,7 @@ def model_step(model: str, mesh, *, layers: int | None = None, batch: int | None
                        "PRESETS): pass whole=True") from None
     raise
   n = math.prod(dict(mesh.shape).values())     # a Mesh or an AbstractMesh
-  cfg = gpt.ModelConfig(layers=1 if layers is None else layers, batch=batch or n,
-                        seq=spec.seq, hidden=spec.hidden, heads=spec.heads,
-                        ffn=4 * spec.hidden, dtype=dtype or "bfloat16")
+  cfg = layer_config(spec, n, layers=layers, batch=batch, dtype=dtype)
   row, col = mesh.axis_names[-2:]
   ps = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.param_specs(row, col))
   bs = jax.tree.map(lambda s: NamedSharding(mesh, s), gpt.batch_specs(row, col))

@@ -11,6 +11,7 @@ the project's benches, tests and examples import `meshslice.gpt`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -51,12 +52,10 @@ def _named_layer(cfg: ModelConfig, chips: int) -> str | None:
   """The `aot.model_step` model whose one-layer step at `chips` chips (one sequence per
   chip, bf16) `cfg` is, or None: the caption names it and the `aot` command compiles it."""
   from meshslice.costmodel import model_spec
-  for name in _NAMED_LAYERS:
-    spec = model_spec(name)
-    if (cfg.layers, cfg.batch, cfg.seq, cfg.hidden, cfg.heads, cfg.ffn, cfg.dtype) == (
-        1, chips, spec.seq, spec.hidden, spec.heads, 4 * spec.hidden, "bfloat16"):
-      return name
-  return None
+  from .aot import layer_config
+  # the learning rate does not change what is planned or compiled: not compared
+  return next((name for name in _NAMED_LAYERS if cfg == dataclasses.replace(
+      layer_config(model_spec(name), chips), learning_rate=cfg.learning_rate)), None)
 
 
 def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
