@@ -142,9 +142,11 @@ class Context:
   param_names: object = dataclasses.field(default=None, compare=False)
   # The step template decides on the whole step (`plan_program`): "probe" plans every site
   # it could take as one with too little compute for it, recording each one's compute in
-  # `template_compute`; "on" gives them the template.
+  # `template_compute`; "on" gives them the template, sized against the largest of
+  # those computes (`template_largest_s`).
   template_mode: str = dataclasses.field(default="probe", compare=False)
   template_compute: list = dataclasses.field(default_factory=list, compare=False)
+  template_largest_s: float = dataclasses.field(default=0.0, compare=False)
 
 
 def _devices(ctx):
@@ -165,7 +167,8 @@ def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
   # step's other work hides theirs). Else the first plan stands: those sites unsliced, in
   # their own layout.
   if ctx.template_compute and max(ctx.template_compute) >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
-    ctx = dataclasses.replace(ctx, decided={}, template_mode="on", template_compute=[])
+    ctx = dataclasses.replace(ctx, decided={}, template_mode="on", template_compute=[],
+                              template_largest_s=max(ctx.template_compute))
     sites = []
     _walk(closed.jaxpr, analysis, ctx, (), [], sites)
   return _judge_pins(tuple(sites), ctx)
@@ -662,7 +665,11 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
                                  note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
     elif templated:
-      algorithm, ksplit = _step_template(match.dataflow, ksplits)
+      algorithm, ksplit = _step_template(
+          match.dataflow, ksplits,
+          costmodel.predict(problem, "collective", flow, 1, profile).compute_s,
+          ctx.template_largest_s, forward, _weight_contracted_last(dimension_numbers, rhs),
+          problem.m > problem.n)
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
         # priced at most as the collective: the per-site model charges the slices' all-
         # to-alls as exposed, where on the compiled step the second slice's matmul hides
@@ -691,23 +698,26 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
 
 
 # TPU generations where, under the `dense,async,all_to_all` preset without SparseCore
-# offload, one plan for the whole step compiled faster than the per-site model's choices:
-# every 2D site rewritten in its own dataflow as the plain collective algorithm, except the
-# lhs-stationary ones (their output reduce-scattered and read right away), sliced in two,
-# all reduce-scatters sent as all-to-alls. On v4 at 256 chips: GPT-3 layer 1.100x XLA
-# against the per-site plan's 1.065x, Megatron-NLG layer 1.091x against 1.069x, GPT-3
-# whole step (4 layers) 1.328x against 1.200x, the least favourable of the alpha-beta and
-# routed models (docs/benchmarks.md, "Where the tuned plan's gain comes from"). Why it
-# wins where the per-site model does not see it: a weight gradient's all-to-all hides
-# under the rest of the backward pass unsliced; an lhs-stationary site's does not, and two
-# slices hide it where more add compute (each slice costs ~3-7 % of the site's dots); the
-# collective rewrite of an os site exposes less of its gathers than XLA's program for it.
-# On v5p the same plan lost to the per-site plan (0.976x XLA routed), so it is v4's only.
+# offload, one plan for the whole step compiled faster than the per-site model's choices
+# (`_step_template` says it site by site): every 2D site rewritten in its own dataflow as
+# the plain collective algorithm, except the lhs-stationary ones (their output
+# reduce-scattered and read right away), sliced in two, the MLP's in four, and the down
+# projection's backward sites sliced in two; all reduce-scatters sent as all-to-alls. On
+# v4 at 256 chips (docs/benchmarks.md, "TPU v4, 256 chips"): GPT-3 layer 1.102x XLA
+# against the per-site plan's 1.065x, Megatron-NLG layer 1.104x against 1.069x, within
+# 0.4 % and 0.9 % of the best plan `tune(refine=1)` found, the least favourable of the
+# alpha-beta and routed models. Why it wins where the per-site model does not see it: a
+# weight gradient's all-to-all hides under the rest of the backward pass unsliced; an
+# lhs-stationary site's does not, and slices hide it where more add compute (each slice
+# costs ~3-7 % of the site's dots); the collective rewrite of an os site exposes less of
+# its gathers than XLA's program for it. On v5p the first template (ls sites in two)
+# lost to the per-site plan (0.976x XLA routed), so it is v4's only.
 _STEP_TEMPLATE_MEASURED = ("v4",)
 
 _STEP_TEMPLATE_NOTE = (
-    "the step template measured on {generation} (collective S=1, lhs-stationary sites "
-    "sliced in two, all-to-all reduce-scatters): it compiled faster than the per-site "
+    "the step template measured on {generation} (collective S=1; lhs-stationary sites "
+    "sliced in two, the MLP's in four, its down projection's gradients in two; all-to-all "
+    "reduce-scatters): it compiled faster than the per-site "
     "model's plan and XLA's program (docs/benchmarks.md, \"Where the tuned plan's gain "
     "comes from\")")
 
@@ -744,15 +754,59 @@ def _step_template_applies(ctx, profile, request) -> bool:
               != "all_to_all")
 
 
-def _step_template(dataflow, ksplits) -> tuple:
-  """(algorithm, ksplit) the step template gives a site of `dataflow`: lhs-stationary
-  sites sliced in two, every other site the collective algorithm. `ksplits` are the slice
-  counts the site can realise: an lhs-stationary site that cannot be sliced in two runs
-  the collective algorithm."""
-  if costing.model_dataflow(dataflow) == "ls" and not dataflow.startswith("1d") \
-      and 2 in ksplits:
-    return "meshslice", 2
-  return "collective", 1
+def _step_template(dataflow, ksplits, compute_s=0.0, largest_s=0.0, forward=True,
+                   weight_contracted_last=False, taller_than_wide=False) -> tuple:
+  """(algorithm, ksplit) the step template gives a site of `dataflow` that computes for
+  `compute_s` in a step whose largest templated site computes for `largest_s`:
+
+  - an lhs-stationary site sliced in two, or in four when it is one of the step's large
+    matmuls (`_TEMPLATE_LARGE_FRACTION` of the largest: the MLP's);
+  - in the backward pass (`forward` False), a large output-stationary site whose weight is
+    contracted on its last dimension (dy @ W^T, the activation gradient of an
+    lhs-stationary forward site, which waits on the gradient that just arrived) sliced in
+    two; a large reduce-scatter site (a weight gradient) whose result is taller than wide
+    (`taller_than_wide`: a down projection's, the first the backward pass computes)
+    sliced in two when each slice still computes for `_TEMPLATE_SLICED_GRADIENT_SECONDS`;
+  - every other site the collective algorithm.
+
+  `ksplits` are the slice counts the site can realise: a site that cannot be sliced as
+  the template says runs it sliced in two if it can, else the collective algorithm."""
+  flow = costing.model_dataflow(dataflow)
+  large = compute_s >= _TEMPLATE_LARGE_FRACTION * largest_s
+  if dataflow.startswith("1d"):
+    wanted = 1
+  elif flow == "ls":
+    wanted = 4 if large else 2
+  elif flow == "os" and large and not forward and weight_contracted_last:
+    wanted = 2
+  elif (flow == "rs" and large and not forward and taller_than_wide
+        and compute_s / 2 >= _TEMPLATE_SLICED_GRADIENT_SECONDS):
+    wanted = 2
+  else:
+    wanted = 1
+  if wanted > 1 and wanted not in ksplits:
+    wanted = 2 if 2 in ksplits else 1
+  return ("meshslice", wanted) if wanted > 1 else ("collective", 1)
+
+
+# A site of the step template is one of the step's large matmuls (sliced finer) when it
+# computes for at least this fraction of the step's largest: the MLP's projections of a
+# GPT-style layer (0.67-1.0 of the largest), not the attention projections (0.25).
+_TEMPLATE_LARGE_FRACTION = 0.5
+
+# A down projection's weight gradient is sliced in two when each slice computes for at
+# least this long. Measured on v4 at 256 chips (docs/benchmarks.md): GPT-3's (9.8 ms)
+# compiled slower sliced (163.32 against 161.13 ms routed), Megatron-NLG's (27.2 ms)
+# faster (397.34 against 400.43); Megatron-NLG's up projection's gradient, the same size,
+# slower (403.35 against 397.62).
+_TEMPLATE_SLICED_GRADIENT_SECONDS = 8e-3
+
+
+def _weight_contracted_last(dimension_numbers, rhs) -> bool:
+  """Whether the rhs is contracted on its last dimension only (x @ W^T: how JAX writes
+  the activation gradient of y = x @ W), not its first (x @ W)."""
+  (_, rc), (_, rb) = dimension_numbers
+  return tuple(rc) == (rhs.ndim - 1,) and rhs.ndim - len(rb) >= 2
 
 
 def _automatic_scatter_form(ctx) -> str | None:

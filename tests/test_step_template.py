@@ -1,9 +1,13 @@
 """The step template (planning._STEP_TEMPLATE_MEASURED): on v4 under the flags it was
 measured under (windowed einsum off, async all-to-all on), the default plan is the plan
 that compiled fastest for whole steps and layers: every 2D site the plain collective
-algorithm, lhs-stationary sites sliced in two, reduce-scatters as all-to-alls. Anything
-else (other flags, another generation, a pinned algorithm, ksplit or reduce-scatter form)
-keeps the per-site model's choices. Planning only, on v4:2x2x2 as 2x4: nothing compiles."""
+algorithm, lhs-stationary sites sliced in two (the step's large ones, the MLP's, in
+four), the backward pass' large activation gradient dy @ W^T in two, a large down
+projection's weight gradient in two when its slices still compute for long enough,
+reduce-scatters as all-to-alls. Anything else (other flags, another generation, a pinned
+algorithm, ksplit or reduce-scatter form) keeps the per-site model's choices. Planning
+only, on v4:2x2x2 as 2x4: nothing compiles (8 sequences on 8 chips: each chip's matmuls
+are those of one sequence per chip at any scale)."""
 import pytest
 
 from meshslice import aot
@@ -40,14 +44,17 @@ def test_default_plan_is_the_step_template_on_v4(layer):
            for s in report.rewritten}
   ls = [i for i, p in plans.items() if p[1] == "ls"]
   assert ls == [16, 18, 20, 26, 28, 30]
-  assert {plans[i] for i in ls} == {("meshslice", "ls", 2, "all_to_all")}
+  # the MLP's (w_down, w_up: 4x the attention projections' compute) in four
+  assert [report.sites[i].module for i in ls[:2]] == ["w_down", "w_up"]
+  assert {plans[i] for i in ls[:2]} == {("meshslice", "ls", 4, "all_to_all")}
+  assert {plans[i] for i in ls[2:]} == {("meshslice", "ls", 2, "all_to_all")}
   rs = [i for i, p in plans.items() if p[1] == "rs"]
   assert rs == [15, 17, 19, 25, 27, 29]
   assert {plans[i] for i in rs} == {("collective", "rs", 1, "all_to_all")}
   assert {p for i, p in plans.items() if p[1] == "os"} == {("collective", "os", 1, None)}
   assert len(plans) == 23 and report.plan_counts(reduce_scatter=True) == {
       "collective os S=1": 11, "collective rs S=1 rs=all_to_all": 6,
-      "meshslice ls S=2 rs=all_to_all": 6}
+      "meshslice ls S=2 rs=all_to_all": 4, "meshslice ls S=4 rs=all_to_all": 2}
   # compared with XLA's program for the site (explain's prediction sums both), but not
   # left to it: the template was measured against XLA's program on the compiled step
   assert all(s.xla_seconds is not None and "XLA's own program" in s.note
@@ -58,6 +65,58 @@ def test_default_plan_is_the_step_template_on_v4(layer):
   assert report.measured_on_compiled_steps == report.rewritten
   assert ("23 of them follow a plan chosen on compiled steps, not on this per-site model"
           in str(report))
+
+
+@pytest.mark.parametrize("model", ["gpt3", "megatron"])
+def test_the_mlp_sites_are_sliced_as_measured_at_256_chips(model):
+  """At 256 v4 chips as 64x4 (the mesh the template was measured on; planning only) the
+  MLP's sites take the moves `meshslice.tune(refine=1)` found on both layers: its
+  lhs-stationary sites (the forward w_down, the backward w_up) in four, w_down's
+  activation gradient dy @ W^T in two; w_down's weight gradient in two on Megatron-NLG
+  only (27 ms of compute; GPT-3's, 9.8 ms, compiled slower sliced), never w_up's."""
+  mesh = aot.make_mesh("v4:8x8x4", (64, 4))
+  step, params, batch = aot.model_step(model, mesh)
+  report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
+      "dense,async,all_to_all", "v4"))(params, batch)
+  assert {s.rule for s in report.rewritten} == {"step_template"}
+  sliced = {(s.module, s.direction, s.dataflow): s.ksplit
+            for s in report.rewritten if s.algorithm == "meshslice"}
+  attention = {(m, "backward", "ls"): 2 for m in ("wq", "wk", "wv", "wo")}
+  mlp = {("w_down", "forward", "ls"): 4, ("w_up", "backward", "ls"): 4,
+         ("w_down", "backward", "os"): 2}
+  if model == "megatron":
+    mlp[("w_down", "backward", "rs")] = 2
+  assert sliced == {**attention, **mlp}
+  assert all(s.algorithm == "collective" and s.ksplit == 1
+             for s in report.rewritten if s.algorithm != "meshslice")
+
+
+def test_step_template_rules():
+  """`planning._step_template` on its own: the slice count per dataflow, size and pass,
+  and the fallback when the wanted count cannot be realised."""
+  from meshslice.planning import _step_template as template
+  largest, big, small = 0.030, 0.027, 0.007
+  both = (1, 2, 4)
+  assert template("ls", both, small, largest) == ("meshslice", 2)
+  assert template("ls", both, big, largest) == ("meshslice", 4)
+  assert template("ls", (1, 2), big, largest) == ("meshslice", 2)
+  assert template("ls", (1, 3), big, largest) == ("collective", 1)
+  assert template("1d_ls", both, big, largest) == ("collective", 1)
+  # an output-stationary site: sliced only as a large backward activation gradient
+  assert template("os", both, big, largest, forward=False,
+                  weight_contracted_last=True) == ("meshslice", 2)
+  for kw in (dict(forward=True, weight_contracted_last=True),
+             dict(forward=False, weight_contracted_last=False)):
+    assert template("os", both, big, largest, **kw) == ("collective", 1)
+  assert template("os", both, small, largest, forward=False,
+                  weight_contracted_last=True) == ("collective", 1)
+  # a weight gradient: a down projection's (taller than wide), each slice >= 8 ms
+  assert template("rs", both, big, largest, forward=False,
+                  taller_than_wide=True) == ("meshslice", 2)
+  assert template("rs", both, big, largest, forward=False,
+                  taller_than_wide=False) == ("collective", 1)
+  assert template("rs", both, 0.0098, 0.0099, forward=False,
+                  taller_than_wide=True) == ("collective", 1)
 
 
 @pytest.mark.parametrize("case", ["windowed einsum on", "v5p", "pinned algorithm",
@@ -79,8 +138,8 @@ def test_the_template_needs_what_it_was_measured_under(layer, case):
 
 
 def test_a_pinned_site_keeps_its_pin_and_the_rest_the_template(layer):
-  report = _explain(layer, overrides={18: {"ksplit": 4}, 0: {"rewrite": False}})
-  assert report.sites[18].ksplit == 4 and TEMPLATE not in report.sites[18].note
+  report = _explain(layer, overrides={18: {"ksplit": 2}, 0: {"rewrite": False}})
+  assert report.sites[18].ksplit == 2 and TEMPLATE not in report.sites[18].note
   assert report.sites[18].rule == "" and report.sites[20].rule == "step_template"
   assert not report.sites[0].rewritten
   assert TEMPLATE in report.sites[20].note and report.sites[20].ksplit == 2
