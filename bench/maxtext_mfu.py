@@ -18,6 +18,11 @@ beside the measured one:
 - compiled with MaxText's own train_compile pieces (`examples/maxtext_train.py`) for the
   named topology (v5p-N: N TensorCores, N/2 chips, one device per chip).
 
+Besides those seven, `CONFIGS` holds configs MaxText publishes no MFU for, run the same
+way to see what the pass does with them (no residual is computed): a MaxText model by
+its `model_name` (e.g. llama2-70b) on another generation, with fsdp x tensor sharding.
+Those need `--preset` (this script knows MaxText's flags for v5p only).
+
 The scanned decoder is compiled with `--layers` layers: every `while` of the program that
 runs that many trips (the forward and backward scans) is given the config's layer count
 in the simulation (`with_trip_count`), so the program simulated is the full model's.
@@ -41,6 +46,7 @@ coordinates are kept in --out_dir, so `--analyze` re-simulates without compiling
   python bench/maxtext_mfu.py --analyze --out_dir=/tmp/mfu        # any venv with meshslice
 """
 import dataclasses
+import glob
 import gzip
 import json
 import math
@@ -51,7 +57,8 @@ import time
 
 from absl import app, flags
 
-_ROWS = flags.DEFINE_list("rows", [], "rows to compile (default: all); names below")
+_ROWS = flags.DEFINE_list("rows", [], "rows to compile (default: the seven published "
+                         "ones); PUBLISHED and CONFIGS below")
 _LAYERS = flags.DEFINE_integer("layers", 3, "decoder layers compiled (trips restored)")
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/maxtext_mfu", "where programs and JSON go")
 _ANALYZE = flags.DEFINE_bool("analyze", False, "re-simulate saved programs; compile none")
@@ -64,8 +71,14 @@ _PRESET = flags.DEFINE_string("preset", "", "compile under these meshslice flag 
 _MESHSLICE = flags.DEFINE_bool("meshslice", False, "compile meshslice.transform(step), the "
                                "default plan, instead of MaxText's step (<row>[_dense]"
                                "_meshslice)")
+_OPTIONS = flags.DEFINE_string("options", "", "with --meshslice: JSON of meshslice.transform "
+                               "options instead of the default plan's, e.g. "
+                               "'{\"algorithm\": \"collective\"}'; needs --label")
+_LABEL = flags.DEFINE_string("label", "", "with --options: the program is saved as "
+                             "<row>..._meshslice-<label>")
 
-PEAK_FLOPS = {"tpu-v5p": 459e12}       # bf16 per chip, the figure MaxText's MFU divides by
+# bf16 per chip, the figure MaxText's MFU divides by
+PEAK_FLOPS = {"tpu-v5p": 459e12, "tpu-v4": 275e12}
 
 # The LIBTPU_INIT_ARGS of MaxText's v5p scripts at 76bd53b0f (the same in all six).
 FLAGS_2023 = ("--xla_tpu_megacore_fusion_allow_ags=false "
@@ -81,19 +94,27 @@ FLAGS_2023 = ("--xla_tpu_megacore_fusion_allow_ags=false "
 
 @dataclasses.dataclass(frozen=True)
 class Published:
-  """One row of MaxText's v5p table and the settings of the script that produced it."""
+  """One row of MaxText's v5p table and the settings of the script that produced it, or
+  (mfu None) a config of `CONFIGS` that MaxText publishes no MFU for."""
   name: str
-  topology: str              # MaxText's compile_topology (v5p-N: N TensorCores)
-  scale: int                 # global_parameter_scale
+  topology: str              # MaxText's compile_topology (v4-N / v5p-N: N TensorCores)
+  scale: int                 # global_parameter_scale (0: `model` names the model)
   per_device_batch: int
   tensor: int                # ici_tensor_parallelism (fsdp takes the rest)
   remat: str
-  mfu: float                 # published, percent
-  tflops: float              # published TFLOP/s per chip
+  mfu: float | None          # published, percent
+  tflops: float | None       # published TFLOP/s per chip
+  generation: str = "v5p"
+  model: str = ""            # MaxText's model_name, when scale is 0
+  seq: int = 2048
 
   @property
   def chips(self) -> int:
     return int(self.topology.split("-")[1]) // 2
+
+  @property
+  def profile(self) -> str:
+    return f"tpu-{self.generation}"
 
 
 PUBLISHED = (
@@ -105,9 +126,23 @@ PUBLISHED = (
     Published("1024b-2048", "v5p-2048", 1024, 2, 16, "full", 55.35, 254),
     Published("1024b-4096", "v5p-4096", 1024, 2, 16, "full", 64.80, 297),
 )
-BY_NAME = {r.name: r for r in PUBLISHED}
+# MaxText configs without a published MFU: what the pass does on them (docs/benchmarks.md,
+# "MaxText configs on v4"). Llama2-70B as MaxText's llama2_70b_4096 recipe runs it
+# (sequence 4096, batch 4 per device, full remat) but with tensor parallelism 4 beside
+# fsdp: that recipe is pure fsdp, one mesh axis, where a 2D pass has nothing to do.
+CONFIGS = (
+    Published("llama2-70b-v4", "v4-512", 0, 4, 4, "full", None, None, generation="v4",
+              model="llama2-70b", seq=4096),
+)
+BY_NAME = {r.name: r for r in PUBLISHED + CONFIGS}
 SEQ = 2048
 VOCAB = 32768
+
+# The MaxText models CONFIGS names, as MaxText's configs/models/<name>.yml define them.
+MODELS = {
+    "llama2-70b": {"emb": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "mlp": 28672,
+                   "layers": 80, "vocab": 32000, "gated": True, "tied": False},
+}
 
 
 def dims(scale: int) -> dict:
@@ -120,32 +155,49 @@ def dims(scale: int) -> dict:
           "mlp": 8192 * 2**heads_scale, "layers": 16 * 2**base}
 
 
+def model_dims(row: Published) -> dict:
+  """The row's model: `dims` of its scale (the 2023 model: key / value heads as many as
+  query heads, ReLU MLP, tied embedding) or, for a named model, `MODELS`'."""
+  return MODELS[row.model] if row.model else dims(row.scale)
+
+
 def params(d: dict) -> int:
-  """Parameters as MaxText counts them (tied embedding, two norms per layer, final norm)."""
-  layer = 4 * d["emb"] * d["heads"] * d["head_dim"] + 2 * d["emb"] * d["mlp"] + 2 * d["emb"]
-  return VOCAB * d["emb"] + d["layers"] * layer + d["emb"]
+  """Parameters as MaxText counts them (two norms per layer, final norm; the 2023 model's
+  embedding is tied, a gated MLP has three matrices)."""
+  heads, kv_heads = d["heads"], d.get("kv_heads", d["heads"])
+  attention = 2 * d["emb"] * d["head_dim"] * (heads + kv_heads)
+  mlp = (3 if d.get("gated") else 2) * d["emb"] * d["mlp"]
+  embedding = d.get("vocab", VOCAB) * d["emb"] * (1 if d.get("tied", True) else 2)
+  return embedding + d["layers"] * (attention + mlp + 2 * d["emb"]) + d["emb"]
 
 
 def flops_per_device(row: Published) -> float:
   """MaxText's training FLOPs per device per step at 76bd53b0f (train.py)."""
-  d = dims(row.scale)
-  tokens = SEQ * row.per_device_batch
+  d = model_dims(row)
+  tokens = row.seq * row.per_device_batch
   weights = 6 * params(d) * tokens
-  attention = 12 * d["heads"] * d["layers"] * d["head_dim"] * SEQ**2 * row.per_device_batch
+  attention = (12 * d["heads"] * d["layers"] * d["head_dim"] * row.seq**2
+               * row.per_device_batch)
   return weights + attention / 2
 
 
 def overrides(row: Published, layers: int) -> dict:
-  d = dims(row.scale)
+  if row.model:
+    model = {"model_name": row.model, "override_model_config": "True",
+             "base_num_decoder_layers": layers}
+  else:
+    d = dims(row.scale)
+    model = {
+        "decoder_block": "default", "global_parameter_scale": "1",
+        "base_emb_dim": d["emb"], "base_num_query_heads": d["heads"],
+        "base_num_kv_heads": d["heads"], "head_dim": d["head_dim"], "base_mlp_dim": d["mlp"],
+        "base_num_decoder_layers": layers, "mlp_activations": "['relu']",
+        "vocab_size": VOCAB, "logits_via_embedding": "True"}
   return {
-      "decoder_block": "default", "global_parameter_scale": "1",
-      "base_emb_dim": d["emb"], "base_num_query_heads": d["heads"],
-      "base_num_kv_heads": d["heads"], "head_dim": d["head_dim"], "base_mlp_dim": d["mlp"],
-      "base_num_decoder_layers": layers, "mlp_activations": "['relu']",
-      "vocab_size": VOCAB, "logits_via_embedding": "True",
+      **model,
       "per_device_batch_size": row.per_device_batch, "remat_policy": row.remat,
       "ici_fsdp_parallelism": "-1", "ici_tensor_parallelism": row.tensor,
-      "max_target_length": SEQ, "use_iota_embed": "True", "attention": "flash",
+      "max_target_length": row.seq, "use_iota_embed": "True", "attention": "flash",
       "dataset_type": "synthetic", "steps": "1", "tokenizer_path": "",
       "enable_checkpointing": "False", "skip_jax_distributed_system": "True",
       "enable_goodput_recording": "False", "jax_cache_dir": "",
@@ -156,18 +208,24 @@ def overrides(row: Published, layers: int) -> dict:
   }
 
 
-def program_name(row: str, dense: bool, plan: bool, preset: str = "") -> str:
+def program_name(row: str, dense: bool, plan: bool, preset: str = "", label: str = "") -> str:
   return (row + (f"_{preset.replace(',', '-')}" if preset else "")
-          + ("_dense" if dense else "") + ("_meshslice" if plan else ""))
+          + ("_dense" if dense else "") + ("_meshslice" if plan else "")
+          + (f"-{label}" if plan and label else ""))
 
 
 def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
-                plan: bool = False, preset: str = "") -> None:
+                plan: bool = False, preset: str = "", transform_options: dict | None = None,
+                label: str = "") -> None:
   """Compile one row in this process (flags set before libtpu loads) and save it: MaxText's
-  step, or (plan) `meshslice.transform` of it with the default plan."""
+  step, or (plan) `meshslice.transform` of it with the default plan, or with
+  `transform_options`."""
   from meshslice.backend_flags import DENSE_FLAGS, preset_flags
   from meshslice.costmodel import tpu_schedule
-  base = " ".join(preset_flags(preset, "v5p")) if preset else FLAGS_2023
+  if not preset and row.generation != "v5p":
+    raise app.UsageError(f"{row.name}: MaxText publishes no flags for {row.generation} "
+                         f"here: give --preset (e.g. dense,async,all_to_all)")
+  base = " ".join(preset_flags(preset, row.generation)) if preset else FLAGS_2023
   os.environ["LIBTPU_INIT_ARGS"] = " ".join((base,) + (DENSE_FLAGS if dense else ()))
   os.environ.update(tpu_schedule.SCHEDULER_LOG_ENV)    # libtpu's scheduler totals
   here = os.path.dirname(os.path.abspath(__file__))
@@ -182,7 +240,7 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     if plan:
       import meshslice
-      step = meshslice.transform(step, profile="tpu-v5p")
+      step = meshslice.transform(step, profile=row.profile, **(transform_options or {}))
       report = step.explain(*args, **kwargs)
       summary, counts = report.summary(), dict(report.plan_counts())
       print(f"{row.name}: {summary}", flush=True)
@@ -190,7 +248,7 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
     with tpu_schedule.capture_stderr() as log:
       compiled = step.lower(*args, **kwargs).compile(compiler_options=options)
   seconds = time.perf_counter() - start
-  stem = os.path.join(out_dir, program_name(row.name, dense, plan, preset))
+  stem = os.path.join(out_dir, program_name(row.name, dense, plan, preset, label))
   with gzip.open(stem + ".hlo.gz", "wt") as f:
     f.write(compiled.as_text())
   with open(stem + ".lhs.log", "w") as f:
@@ -198,7 +256,7 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
   mem = compiled.memory_analysis()
   from importlib.metadata import version
   meta = {"row": dataclasses.asdict(row), "compiled_layers": layers,
-          "layers": dims(row.scale)["layers"],
+          "layers": model_dims(row)["layers"],
           "mesh": {k: int(v) for k, v in mesh.shape.items() if v > 1},
           "devices": [[list(map(int, d.coords)), int(getattr(d, "core_on_chip", 0) or 0)]
                       for d in mesh.devices.flat],
@@ -206,7 +264,7 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
           "maxtext": version("maxtext"), "libtpu_flags": os.environ["LIBTPU_INIT_ARGS"],
           "overrides": {k: str(v) for k, v in overrides(row, layers).items()},
           "libtpu_peak_bytes": int(getattr(mem, "peak_memory_in_bytes", 0) or 0),
-          "plan": summary, "plan_counts": counts,
+          "plan": summary, "plan_counts": counts, "options": transform_options or {},
           "command": " ".join([sys.executable] + sys.argv)}
   with open(stem + ".meta.json", "w") as f:
     json.dump(meta, f)
@@ -242,7 +300,7 @@ def analyze_row(name: str, out_dir: str) -> dict:
   row = Published(**meta["row"])
   with gzip.open(stem + ".hlo.gz", "rt") as f:
     text = f.read()
-  profile = "tpu-v5p"
+  profile = row.profile
   base = load_profile(profile)
   shape = (meta["mesh"].get("fsdp", 1), meta["mesh"].get("tensor", 1))
   schedule, loops = with_trip_count(tpu_schedule.read_schedule(text, chip=profile),
@@ -268,7 +326,7 @@ def analyze_row(name: str, out_dir: str) -> dict:
     step = lhs / tpu_schedule.CLOCK_HZ[profile]
     figures["libtpu-lhs"] = {"cycles": lhs, "step_s": step,
                              "mfu": 100 * flops / step / peak}
-  measured_step = flops / (row.mfu / 100 * peak)
+  measured_step = None if row.mfu is None else flops / (row.mfu / 100 * peak)
   return {"row": row.name, "program": name, "plan": meta.get("plan", ""),
           "plan_counts": meta.get("plan_counts", {}),
           "windowed_einsum": "windowed_einsum_for_all_gather=false" not in meta["libtpu_flags"],
@@ -305,35 +363,44 @@ def table(results: list) -> str:
     m = r["models"]
     mesh = f"{r['mesh'].get('fsdp', 1)} x {r['mesh'].get('tensor', 1)}"
     lhs = m.get("libtpu-lhs")
+    published = r["published_mfu"]
+    residual = "—" if published is None else (
+        f"{m['alpha-beta']['mfu'] - published:+.1f} / "
+        f"{m['routed-links']['mfu'] - published:+.1f}")
     lines.append(
-        f"| {r['program']} | {r['chips']} | {mesh} | {r['published_mfu']:.2f} % | "
+        f"| {r['program']} | {r['chips']} | {mesh} | "
+        f"{'—' if published is None else format(published, '.2f') + ' %'} | "
         f"{m['alpha-beta']['mfu']:.1f} % | {m['routed-links']['mfu']:.1f} % | "
-        f"{r['compute_mfu']:.1f} % | {m['alpha-beta']['mfu'] - r['published_mfu']:+.1f} / "
-        f"{m['routed-links']['mfu'] - r['published_mfu']:+.1f} | "
+        f"{r['compute_mfu']:.1f} % | {residual} | "
         f"{'—' if lhs is None else format(lhs['step_s'], '.2f') + ' s'} |")
   return "\n".join(lines)
 
 
 def comparison(results: list) -> str:
-  """XLA's program against meshslice's default plan, per row and flag set, each model."""
-  by_program = {r["program"]: r for r in results}
-  lines = ["| config | windowed einsum | XLA step (alpha-beta / routed) | meshslice default "
+  """XLA's program against meshslice's default plan (and each --options variant of it,
+  by its label), per row and flag set, each model."""
+  lines = ["| config | windowed einsum | XLA step (alpha-beta / routed) | meshslice "
            "| XLA / meshslice (alpha-beta / routed) | least favourable |",
            "|---|---|---:|---:|---:|---:|"]
   for r in results:
-    plan = by_program.get(r["program"] + "_meshslice")
-    if r["program"].endswith("_meshslice") or plan is None:
+    if "_meshslice" in r["program"]:
       continue
-    ratios = [r["models"][m]["step_s"] / plan["models"][m]["step_s"]
-              for m in ("alpha-beta", "routed-links")]
-    lines.append(
-        f"| {r['row']} | {'on' if r['windowed_einsum'] else 'off'} | "
-        f"{r['models']['alpha-beta']['step_s']:.3f} / "
-        f"{r['models']['routed-links']['step_s']:.3f} s | "
-        f"{plan['models']['alpha-beta']['step_s']:.3f} / "
-        f"{plan['models']['routed-links']['step_s']:.3f} s | "
-        f"{ratios[0]:.3f}x / {ratios[1]:.3f}x | **{min(ratios):.3f}x** |")
+    for plan in (p for p in results if p["program"] == r["program"] + "_meshslice"
+                 or p["program"].startswith(r["program"] + "_meshslice-")):
+      label = plan["program"][len(r["program"]) + len("_meshslice-"):] or "default"
+      lines.append(_comparison_row(r, plan, label))
   return "\n".join(lines)
+
+
+def _comparison_row(r: dict, plan: dict, label: str) -> str:
+  ratios = [r["models"][m]["step_s"] / plan["models"][m]["step_s"]
+            for m in ("alpha-beta", "routed-links")]
+  return (f"| {r['row']} ({label}) | {'on' if r['windowed_einsum'] else 'off'} | "
+          f"{r['models']['alpha-beta']['step_s']:.3f} / "
+          f"{r['models']['routed-links']['step_s']:.3f} s | "
+          f"{plan['models']['alpha-beta']['step_s']:.3f} / "
+          f"{plan['models']['routed-links']['step_s']:.3f} s | "
+          f"{ratios[0]:.3f}x / {ratios[1]:.3f}x | **{min(ratios):.3f}x** |")
 
 
 def main(argv):
@@ -342,12 +409,26 @@ def main(argv):
   unknown = [r for r in _ROWS.value if r not in BY_NAME]
   if unknown:
     raise app.UsageError(f"--rows: unknown {unknown}; known: {', '.join(BY_NAME)}")
+  unflagged = [r for r in _ROWS.value if BY_NAME[r].generation != "v5p"]
+  if unflagged and not _PRESET.value and not _ANALYZE.value:
+    raise app.UsageError(f"--rows: {', '.join(unflagged)} need --preset: MaxText "
+                         "publishes no flags for their generation here (e.g. "
+                         "--preset=dense,async,all_to_all)")
+  if bool(_OPTIONS.value) != bool(_LABEL.value) or (_OPTIONS.value and not _MESHSLICE.value):
+    raise app.UsageError("--options and --label go together, with --meshslice")
+  try:
+    options = json.loads(_OPTIONS.value) if _OPTIONS.value else None
+  except json.JSONDecodeError as e:
+    raise app.UsageError(f"--options: not JSON ({e})") from None
+  if options and "overrides" in options:      # JSON keys are strings; site indices are ints
+    options["overrides"] = {int(k) if k.isdigit() else k: v
+                            for k, v in options["overrides"].items()}
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   if _WORKER.value:
     compile_row(BY_NAME[_WORKER.value], _LAYERS.value, _OUT_DIR.value, _DENSE.value,
-                _MESHSLICE.value, _PRESET.value)
+                _MESHSLICE.value, _PRESET.value, options, _LABEL.value)
     return
-  names = _ROWS.value or list(BY_NAME)
+  names = _ROWS.value or [r.name for r in PUBLISHED]
   if not _ANALYZE.value:
     for name in names:
       began = time.perf_counter()
@@ -355,7 +436,9 @@ def main(argv):
                              f"--layers={_LAYERS.value}", f"--out_dir={_OUT_DIR.value}"]
                             + (["--dense"] if _DENSE.value else [])
                             + (["--meshslice"] if _MESHSLICE.value else [])
-                            + ([f"--preset={_PRESET.value}"] if _PRESET.value else []))
+                            + ([f"--preset={_PRESET.value}"] if _PRESET.value else [])
+                            + ([f"--options={_OPTIONS.value}", f"--label={_LABEL.value}"]
+                               if _OPTIONS.value else []))
       if done.returncode:
         print(f"{name}: compile failed (exit {done.returncode}) after "
               f"{time.perf_counter() - began:.0f} s", flush=True)
@@ -366,8 +449,14 @@ def main(argv):
     presets = ("", _PRESET.value) if _PRESET.value else ("",)
     for program in (program_name(name, d, p, f) for f in presets for d in (False, True)
                     for p in (False, True)):
-      if os.path.exists(os.path.join(_OUT_DIR.value, program + ".meta.json")):
-        results.append(analyze_row(program, _OUT_DIR.value))
+      # the plan's program and every labelled variant of it (--options)
+      variants = [program] + (sorted(
+          os.path.basename(m)[:-len(".meta.json")] for m in glob.glob(
+              os.path.join(glob.escape(_OUT_DIR.value), program + "-*.meta.json")))
+          if program.endswith("_meshslice") else [])
+      for name_ in variants:
+        if os.path.exists(os.path.join(_OUT_DIR.value, name_ + ".meta.json")):
+          results.append(analyze_row(name_, _OUT_DIR.value))
   with open(os.path.join(_OUT_DIR.value, "mfu.json"), "w") as f:
     json.dump(results, f, indent=1)
   print(table(results))

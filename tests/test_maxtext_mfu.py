@@ -52,3 +52,62 @@ def test_restored_trip_count_runs_the_full_models_layers(bench_script):
   clock = 1e9
   assert ts.simulate(restored, "tpu-v5p", clock_hz=clock).step_s == pytest.approx(
       (1 + 32 + 4) * 1000 / clock)
+
+
+def test_a_named_maxtext_model_on_v4(bench_script):
+  """CONFIGS' Llama2-70B: MaxText's llama2-70b by model_name, its parameter count
+  (GQA 64 / 8 heads, SwiGLU 28672, untied 32000-token embedding: 69.0B), its FLOPs at
+  sequence 4096, v4's peak, and no published MFU (no residual)."""
+  m = bench_script("maxtext_mfu")
+  row = m.BY_NAME["llama2-70b-v4"]
+  assert (row.chips, row.profile, row.mfu) == (256, "tpu-v4", None)
+  assert m.params(m.model_dims(row)) / 1e9 == pytest.approx(68.98, abs=0.01)
+  d = m.model_dims(row)
+  tokens = 4096 * 4
+  assert m.flops_per_device(row) == pytest.approx(
+      6 * m.params(d) * tokens + 6 * 64 * 80 * 128 * 4096**2 * 4)
+  o = m.overrides(row, 3)
+  assert (o["model_name"], o["base_num_decoder_layers"], o["max_target_length"],
+          o["ici_tensor_parallelism"], o["compile_topology"]) == (
+              "llama2-70b", 3, 4096, 4, "v4-512")
+  assert "base_emb_dim" not in o and m.PEAK_FLOPS[row.profile] == 275e12
+  # the 2023 rows' parameters are unchanged by the named-model fields
+  assert m.params(m.model_dims(m.BY_NAME["32b"])) == m.params(m.dims(32))
+
+
+def test_a_config_without_maxtext_flags_needs_a_preset(bench_script):
+  from absl import app
+  m = bench_script("maxtext_mfu")
+  m.flags.FLAGS(["maxtext_mfu", "--rows=llama2-70b-v4"])
+  try:
+    with pytest.raises(app.UsageError, match="llama2-70b-v4 need --preset"):
+      m.main(["maxtext_mfu"])
+  finally:
+    m.flags.FLAGS.unparse_flags()
+
+
+def test_options_variants_are_named_and_compared_by_label(bench_script):
+  """--options / --label: a plan variant is saved as <program>_meshslice-<label> and the
+  comparison has a row per plan against the same XLA program; the flags go together."""
+  from absl import app
+  m = bench_script("maxtext_mfu")
+  assert m.program_name("r", False, True, "dense,async", "coll") == "r_dense-async_meshslice-coll"
+  assert m.program_name("r", False, False, "", "coll") == "r"
+
+  def result(program, ab, routed):
+    return {"row": "r", "program": program, "windowed_einsum": False,
+            "models": {"alpha-beta": {"step_s": ab}, "routed-links": {"step_s": routed}}}
+  table = m.comparison([result("r_p", 10.0, 10.0), result("r_p_meshslice", 8.0, 12.5),
+                        result("r_p_meshslice-coll", 12.5, 8.0)])
+  rows = table.splitlines()[2:]
+  assert len(rows) == 2
+  assert rows[0].startswith("| r (default) |") and "1.250x / 0.800x | **0.800x**" in rows[0]
+  assert rows[1].startswith("| r (coll) |") and "0.800x / 1.250x | **0.800x**" in rows[1]
+  for argv in (["--options={}"], ["--label=x", "--meshslice"],
+               ["--options={}", "--label=x"]):
+    m.flags.FLAGS(["maxtext_mfu", "--rows=32b", *argv])
+    try:
+      with pytest.raises(app.UsageError, match="--options and --label go together"):
+        m.main(["maxtext_mfu"])
+    finally:
+      m.flags.FLAGS.unparse_flags()
