@@ -444,7 +444,7 @@ def main(argv):
               f"{time.perf_counter() - began:.0f} s", flush=True)
   results = []
   for name in names:
-    if not os.path.exists(os.path.join(_OUT_DIR.value, name + ".meta.json")):
+    if not glob.glob(os.path.join(glob.escape(_OUT_DIR.value), name + "*.meta.json")):
       print(f"{name}: no compiled program in {_OUT_DIR.value}")
     presets = ("", _PRESET.value) if _PRESET.value else ("",)
     for program in (program_name(name, d, p, f) for f in presets for d in (False, True)
