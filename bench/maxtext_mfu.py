@@ -222,9 +222,6 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
   `transform_options`."""
   from meshslice.backend_flags import DENSE_FLAGS, preset_flags
   from meshslice.costmodel import tpu_schedule
-  if not preset and row.generation != "v5p":
-    raise app.UsageError(f"{row.name}: MaxText publishes no flags for {row.generation} "
-                         f"here: give --preset (e.g. dense,async,all_to_all)")
   base = " ".join(preset_flags(preset, row.generation)) if preset else FLAGS_2023
   os.environ["LIBTPU_INIT_ARGS"] = " ".join((base,) + (DENSE_FLAGS if dense else ()))
   os.environ.update(tpu_schedule.SCHEDULER_LOG_ENV)    # libtpu's scheduler totals
@@ -406,10 +403,12 @@ def _comparison_row(r: dict, plan: dict, label: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  unknown = [r for r in _ROWS.value if r not in BY_NAME]
+  rows = [_WORKER.value] if _WORKER.value else _ROWS.value
+  unknown = [r for r in rows if r not in BY_NAME]
   if unknown:
     raise app.UsageError(f"--rows: unknown {unknown}; known: {', '.join(BY_NAME)}")
-  unflagged = [r for r in _ROWS.value if BY_NAME[r].generation != "v5p"]
+  # MaxText's flags are known for v5p only (FLAGS_2023); checked for a worker's row too
+  unflagged = [r for r in rows if BY_NAME[r].generation != "v5p"]
   if unflagged and not _PRESET.value and not _ANALYZE.value:
     raise app.UsageError(f"--rows: {', '.join(unflagged)} need --preset: MaxText "
                          "publishes no flags for their generation here (e.g. "

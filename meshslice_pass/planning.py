@@ -655,21 +655,21 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     templated = (not no_overlap and algorithm is None
                  and _step_template_applies(ctx, profile, request))
+    compute_s = (costmodel.predict(problem, "collective", flow, 1, profile).compute_s
+                 if templated else 0.0)
     if templated and ctx.template_mode == "probe":
       # the step's compute decides (`plan_program`); until then, a site of a step with
       # too little compute for the template's collectives to hide under, or a sliced
       # plan's: compiled, such steps ran slower than XLA sliced as well (GPT-3 at seq 256)
-      ctx.template_compute.append(
-          costmodel.predict(problem, "collective", flow, 1, profile).compute_s)
+      ctx.template_compute.append(compute_s)
       ksplits = (1,)
       site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
                                  note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
     elif templated:
       algorithm, ksplit = _step_template(
-          match.dataflow, ksplits,
-          costmodel.predict(problem, "collective", flow, 1, profile).compute_s,
-          ctx.template_largest_s, forward, _weight_contracted_last(dimension_numbers, rhs),
-          problem.m > problem.n)
+          match.dataflow, ksplits, compute_s, ctx.template_largest_s, forward=forward,
+          weight_contracted_last=_weight_contracted_last(dimension_numbers, rhs),
+          taller_than_wide=problem.m > problem.n)
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
         # priced at most as the collective: the per-site model charges the slices' all-
         # to-alls as exposed, where on the compiled step the second slice's matmul hides
@@ -754,7 +754,7 @@ def _step_template_applies(ctx, profile, request) -> bool:
               != "all_to_all")
 
 
-def _step_template(dataflow, ksplits, compute_s=0.0, largest_s=0.0, forward=True,
+def _step_template(dataflow, ksplits, compute_s, largest_s, *, forward=True,
                    weight_contracted_last=False, taller_than_wide=False) -> tuple:
   """(algorithm, ksplit) the step template gives a site of `dataflow` that computes for
   `compute_s` in a step whose largest templated site computes for `largest_s`:
