@@ -792,7 +792,7 @@ def _step_template(dataflow, ksplits, compute_s, largest_s, *, forward=True,
 # A site of the step template is one of the step's large matmuls (sliced finer) when it
 # computes for at least this fraction of the step's largest: the MLP's projections
 # (0.9-1.0 of the largest on the GPT-3, Megatron-NLG and Llama-shaped steps measured, the
-# unembedding included), not the attention projections (0.25 or less).
+# unembedding included), not the attention projections (about a quarter or less).
 _TEMPLATE_LARGE_FRACTION = 0.5
 
 # A down projection's weight gradient is sliced in two when each slice computes for at
