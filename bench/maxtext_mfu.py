@@ -133,6 +133,9 @@ PUBLISHED = (
 CONFIGS = (
     Published("llama2-70b-v4", "v4-512", 0, 4, 4, "full", None, None, generation="v4",
               model="llama2-70b", seq=4096),
+    # the same at half the batch: the sequences per chip of the project's own Llama step
+    Published("llama2-70b-v4-b2", "v4-512", 0, 2, 4, "full", None, None, generation="v4",
+              model="llama2-70b", seq=4096),
 )
 BY_NAME = {r.name: r for r in PUBLISHED + CONFIGS}
 SEQ = 2048
@@ -415,13 +418,11 @@ def main(argv):
                          "--preset=dense,async,all_to_all)")
   if bool(_OPTIONS.value) != bool(_LABEL.value) or (_OPTIONS.value and not _MESHSLICE.value):
     raise app.UsageError("--options and --label go together, with --meshslice")
+  from meshslice.options import options_from_json
   try:
-    options = json.loads(_OPTIONS.value) if _OPTIONS.value else None
-  except json.JSONDecodeError as e:
-    raise app.UsageError(f"--options: not JSON ({e})") from None
-  if options and "overrides" in options:      # JSON keys are strings; site indices are ints
-    options["overrides"] = {int(k) if k.isdigit() else k: v
-                            for k, v in options["overrides"].items()}
+    options = options_from_json(_OPTIONS.value, "--options") if _OPTIONS.value else None
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   if _WORKER.value:
     compile_row(BY_NAME[_WORKER.value], _LAYERS.value, _OUT_DIR.value, _DENSE.value,

@@ -56,16 +56,11 @@ def parse_plan(text: str) -> tuple:
     raise app.UsageError(f"--plan {text!r} is not name=JSON (name= alone: XLA's program)")
   if not body.strip():
     return name.strip(), None
+  from meshslice.options import options_from_json
   try:
-    options = json.loads(body)
-  except json.JSONDecodeError as e:
-    raise app.UsageError(f"--plan {name!r}: not JSON: {e}") from None
-  if not isinstance(options, dict):
-    raise app.UsageError(f"--plan {name!r}: the options must be a JSON object")
-  if "overrides" in options:
-    options["overrides"] = {int(k) if str(k).isdigit() else k: v
-                            for k, v in options["overrides"].items()}
-  return name.strip(), options
+    return name.strip(), options_from_json(body, f"--plan {name.strip()!r}")
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
 def main(argv):

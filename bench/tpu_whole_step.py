@@ -146,10 +146,11 @@ def main(argv):
   wanted = [p.strip() for p in _PROGRAMS.value if p.strip()]
   if not wanted or set(wanted) - set(PROGRAMS):
     raise app.UsageError(f"--programs: {wanted} not of {', '.join(PROGRAMS)}")
+  from meshslice.options import options_from_json
   try:
-    options = json.loads(_OPTIONS.value)
-  except json.JSONDecodeError as e:
-    raise app.UsageError(f"--options is not JSON: {e}") from None
+    options = options_from_json(_OPTIONS.value, "--options")
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   from meshslice import aot
   try:
     generation, _ = aot.parse_topology(_TOPOLOGY.value)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -268,6 +269,27 @@ def _key_kind(key) -> str:
   if isinstance(key, int) and not isinstance(key, bool):
     return "index"
   return "location" if re.fullmatch(r".+:\d+", key) else "module"
+
+
+def options_from_json(text: str, where: str = "options") -> dict:
+  """`meshslice.transform` keyword options from a JSON object (a bench flag, a config
+  file). JSON keys are strings, so an `overrides` key of digits is taken as the site index
+  it names. Raises ValueError naming `where` for text that is not a JSON object.
+
+    >>> options_from_json('{"overrides": {"7": {"ksplit": 2}}, "max_ksplit": 4}')
+    {'overrides': {7: {'ksplit': 2}}, 'max_ksplit': 4}
+  """
+  try:
+    options = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{where}: not JSON ({e})") from None
+  if not isinstance(options, dict):
+    raise ValueError(f"{where}: a JSON object of transform options is needed, got "
+                     f"{type(options).__name__}")
+  if isinstance(options.get("overrides"), dict):
+    options["overrides"] = {int(k) if k.strip().isdigit() else k: v
+                            for k, v in options["overrides"].items()}
+  return options
 
 
 def _validate_override_key(key):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -101,6 +102,9 @@ class Site:
   # (`pins.judge`; also in `note`): the report shows them for left-alone sites too
   pin_notes: tuple = ()
   swapped: bool = False
+  # its result is added to another matmul's (`_summed_matmuls`): one term of a gradient
+  # summed over several projections, e.g. dx = dq Wq^T + dk Wk^T + dv Wv^T
+  summed: bool = False
   predicted_seconds: float | None = None
   baseline_seconds: float | None = None
   # XLA's own program for the site as the planner priced it (`costing.xla_program`),
@@ -198,12 +202,13 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
   for v in jaxpr.outvars:
     if not is_literal(v):
       consumers.setdefault(v, []).append(None)
+  summed = _summed_matmuls(jaxpr)
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
       transposed_by = _swapping_transpose(eqn, consumers.get(eqn.outvars[0], []))
       param = ctx.param_names.of_site(prefix, jaxpr, eqn) if ctx.param_names else ""
       site = _plan_site(eqn, analysis, ctx, prefix + (i,), context, len(sites),
-                        transposed_by, param)
+                        transposed_by, param, summed=i in summed)
       site = _with_layout_hint(site, jaxpr, eqn, analysis)
       # sites planned once and shared (ctx.decided) may run a different number of times
       sites.append(site if site.runs == runs else dataclasses.replace(site, runs=runs))
@@ -213,6 +218,63 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
                         eqn_name_stack(eqn))], sites, runs * (scan_length(eqn) or 1))
+
+
+# What a matmul's result may pass through on its way into a sum and stay one term of it.
+_SUM_TRANSPARENT = frozenset({"convert_element_type", "reshape", "transpose", "copy",
+                              "sharding_constraint", "squeeze", "expand_dims"})
+_SUM_PRIMITIVES = frozenset({"add_any", "add"})
+
+
+def _summed_matmuls(jaxpr) -> frozenset:
+  """Indices of the dot_generals of `jaxpr` whose result, through layout-only ops, is one
+  of two or more matmul results added together (directly or in a chain of adds): XLA
+  partitions such a sum as one value, reducing the partial products once (one
+  reduce-scatter for dx = dq Wq^T + dk Wk^T + dv Wv^T) where per-site rewrites send one
+  collective a term."""
+  producer, uses = {}, {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.outvars:
+      producer[v] = i
+    for v in eqn.invars:
+      if not is_literal(v):
+        uses[v] = uses.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if not is_literal(v):
+      uses[v] = uses.get(v, 0) + 1
+
+  def sole(v):
+    # a value used elsewhere too is needed whole (a residual stream): no term of a sum
+    return not is_literal(v) and v in producer and uses.get(v) == 1
+
+  def through_layout_ops(v):
+    while sole(v):
+      eqn = jaxpr.eqns[producer[v]]
+      if eqn.primitive.name not in _SUM_TRANSPARENT or len(eqn.invars) != 1:
+        return v
+      v = eqn.invars[0]
+    return v
+
+  def terms(v, seen):
+    v = through_layout_ops(v)
+    if not sole(v):
+      return []
+    i = producer[v]
+    eqn = jaxpr.eqns[i]
+    if eqn.primitive.name == "dot_general":
+      return [i]
+    if eqn.primitive.name in _SUM_PRIMITIVES and i not in seen:
+      seen.add(i)
+      return [t for x in eqn.invars for t in terms(x, seen)]
+    return []
+
+  summed = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _SUM_PRIMITIVES:
+      found = [t for x in eqn.invars for t in terms(x, set())]
+      if len(found) >= 2:
+        summed.update(found)
+  return frozenset(summed)
 
 
 def _with_layout_hint(site, jaxpr, eqn, analysis):
@@ -257,22 +319,23 @@ def _swapped(dimension_numbers):
   return ((tuple(rc), tuple(lc)), (tuple(rb), tuple(lb)))
 
 
-def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None, param=""):
+def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None, param="",
+               summed=False):
   """Plan one dot_general. When its result is only ever used transposed (lhs-free and
   rhs-free dims swapped), it is planned as the equal product with operands swapped, whose
   result already has the consumer's layout: a weight gradient becomes the RS matmul of
   docs/design.md rather than an LS matmul followed by a transpose."""
   if transposed_by is None:
-    return _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
+    return _plan_operands(eqn, analysis, ctx, path, context, index, param=param, summed=summed)
   # The swapped form is preferred whenever it can be rewritten, so a pin (from a saved
   # plan, which records the swapped form) is only checked against the other form when
   # the swapped one cannot serve the site.
   try:
     swapped = _plan_operands(eqn, analysis, ctx, path, context, index, swap=transposed_by,
-                             param=param)
+                             param=param, summed=summed)
   except PinError as error:
     try:
-      site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
+      site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param, summed=summed)
     except PinError:
       raise error from None
     if site.rewritten:
@@ -280,11 +343,12 @@ def _plan_site(eqn, analysis, ctx, path, context, index, transposed_by=None, par
     raise
   if swapped.rewritten:
     return swapped
-  site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param)
+  site = _plan_operands(eqn, analysis, ctx, path, context, index, param=param, summed=summed)
   return site if site.rewritten else swapped
 
 
-def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""):
+def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param="",
+                   summed=False):
   lhs, rhs = eqn.invars
   out = eqn.outvars[0]
   dimension_numbers = eqn.params["dimension_numbers"]
@@ -308,7 +372,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
       lhs_shape=tuple(lhs.aval.shape), rhs_shape=tuple(rhs.aval.shape),
       lhs_spec=S.describe(lhs_spec), rhs_spec=S.describe(rhs_spec),
       out_spec=S.describe(out_demand), dtype=str(jnp.dtype(out.aval.dtype)),
-      swapped=swap is not None,
+      swapped=swap is not None, summed=summed,
       note="operands swapped: the result is only used transposed" if swap is not None else "")
   if not ctx.axis_sizes or all(n == 1 for n in ctx.axis_sizes.values()):
     return Site(rewritten=False, reason="no multi-device mesh: nothing is sharded", **base)
@@ -323,7 +387,7 @@ def _plan_operands(eqn, analysis, ctx, path, context, index, swap=None, param=""
          out_demand, request, eqn.params.get("precision"),
          str(eqn.params.get("preferred_element_type")),
          # under SparseCore offload a forward site is priced differently (`_plan_match`)
-         base["direction"])
+         base["direction"], summed)
   same = ctx.decided.get(key)
   if same is not None:
     return dataclasses.replace(same, **{k: base[k] for k in _IDENTITY})
@@ -431,6 +495,9 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
         note=_join(candidate.note, f"{alt.dataflow} instead of {site.dataflow}: reshards "
                                    f"{how} first (~{extra * 1e6:.0f} us, included); "
                                    f"{own}")))
+  if automatic and pinned is None and base["swapped"] and out_demand is not None:
+    options += _other_output_layouts(found, match, plan, out.aval, out_demand, lhs_spec,
+                                     rhs_spec, ctx, site)
   if not options:
     if not site.rewritten and pinned in (None, site.dataflow):
       return site     # no plan fits HBM, in any dataflow
@@ -445,6 +512,68 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   best = min(options, key=lambda c: c.predicted_seconds if c is site
              else c.predicted_seconds / RELAYOUT_MARGIN)
   return _versus_xla(best, site, ctx, request, base, cheapest_elsewhere)
+
+
+def _other_output_layouts(found, match, plan, out, out_demand, lhs_spec, rhs_spec, ctx,
+                          site) -> list:
+  """A weight gradient (a swapped site: its result, summed over the batch, is small) in
+  the other output layouts its operands allow, each priced with resharding its result to
+  the layout the program wants. The wanted layout of a weight gradient is often only the
+  analysis's guess (a scan stacks the gradients and the optimizer reads them elsewhere),
+  and the layout decides which operand is gathered: on MaxText's Llama2-70B (w_out laid
+  out [mlp: tensor, embed: fsdp]) the guessed layout gathered the 28672-wide MLP
+  activations where the other gathers the 8192-wide output gradient (docs/benchmarks.md,
+  "MaxText's Llama2-70B on v4")."""
+  if not _gathers_far_more_than_it_returns(match, site, out, ctx):
+    return []
+  candidates = []
+  for other in found.matches:
+    if other.out_spec == match.out_spec or other.dataflow.startswith("1d"):
+      continue
+    minor = out.shape[-1] // math.prod(ctx.axis_sizes.get(a, 1) for a in other.out_spec[-1])
+    if minor < _MIN_MINOR_DIM:
+      continue
+    candidate = plan(other, lhs_spec, rhs_spec)
+    if not candidate.rewritten:
+      continue
+    extra = costing.reshard_seconds(out.shape, out.dtype, out_demand, ctx.axis_sizes,
+                                    ctx.options.profile)
+    own = (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
+           else f"as {site.dataflow}: {site.reason}")
+    candidates.append(dataclasses.replace(
+        candidate, predicted_seconds=candidate.predicted_seconds + extra,
+        baseline_seconds=site.baseline_seconds,
+        note=_join(candidate.note, f"{other.dataflow} into result layout "
+                                   f"{S.describe(other.out_spec)} instead of "
+                                   f"{S.describe(match.out_spec)}, then resharded "
+                                   f"(~{extra * 1e6:.0f} us, included); {own}")))
+  return candidates
+
+
+def _gathers_far_more_than_it_returns(match, site, out, ctx) -> bool:
+  """Whether a weight gradient's operands differ in size by at least
+  `_LAYOUT_CHOICE_MIN_SAVING` times its result: per device, the larger operand's rows
+  gathered less the smaller's, against the result before its reduce-scatter."""
+  lhs, rhs = site.lhs_shape, site.rhs_shape
+  rows = ctx.axis_sizes.get(match.row_axis, 1)
+  cols = ctx.axis_sizes.get(match.col_axis, 1)
+  itemsize = jnp.dtype(out.dtype).itemsize
+  saved = abs(math.prod(lhs) - math.prod(rhs)) * itemsize / rows
+  return saved >= _LAYOUT_CHOICE_MIN_SAVING * math.prod(out.shape) * itemsize / cols
+
+
+# A weight gradient is computed in another result layout only when the gather it saves
+# is this many times its result (per device, `_gathers_far_more_than_it_returns`): with
+# less, the reshard and a gather of the just-arrived output gradient (which nothing can
+# hide, unlike the activations' gather) cost more than they save. Measured on v4 (docs/
+# benchmarks.md): MaxText's Llama2-70B down projection, 23x (11x at half the batch),
+# 1.021x faster routed; GPT-3's, 2.0x, 1.9 % slower as a layer, 1.5 % as a whole step.
+_LAYOUT_CHOICE_MIN_SAVING = 8
+
+# Nor into a layout whose result shard is narrower than this along its minor dim (a TPU
+# vreg's 128 lanes): the Llama-shaped step's key and value weight gradients, 1024 wide
+# over 64 devices, computed 16 lanes wide and compiled 8 % slower (78 ms more compute).
+_MIN_MINOR_DIM = 128
 
 
 def _xla_baseline(options) -> str:
@@ -655,8 +784,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     templated = (not no_overlap and algorithm is None
                  and _step_template_applies(ctx, profile, request))
-    compute_s = (costmodel.predict(problem, "collective", flow, 1, profile).compute_s
-                 if templated else 0.0)
+    unsliced = costmodel.predict(problem, "collective", flow, 1, profile) if templated else None
+    compute_s = unsliced.compute_s if templated else 0.0
     if templated and ctx.template_mode == "probe":
       # the step's compute decides (`plan_program`); until then, a site of a step with
       # too little compute for the template's collectives to hide under, or a sliced
@@ -665,11 +794,17 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       ksplits = (1,)
       site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
                                  note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
+    elif (templated and base["summed"]
+          and unsliced.comm_s >= _SUMMED_TERM_COMM_OVER_COMPUTE * unsliced.compute_s):
+      return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
+                                 block=None, predicted_seconds=None,
+                                 rule=pins.STEP_TEMPLATE_RULE,
+                                 reason=f"{pins.LEFT_TO_XLA}: {_SUMMED_REASON}")
     elif templated:
       algorithm, ksplit = _step_template(
           match.dataflow, ksplits, compute_s, ctx.template_largest_s, forward=forward,
           weight_contracted_last=_weight_contracted_last(dimension_numbers, rhs),
-          taller_than_wide=problem.m > problem.n)
+          taller_than_wide=problem.m > problem.n, weight_gradient=base["swapped"])
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
         # priced at most as the collective: the per-site model charges the slices' all-
         # to-alls as exposed, where on the compiled step the second slice's matmul hides
@@ -731,6 +866,19 @@ _STEP_TEMPLATE_NOTE = (
 # 128-head layer at seq 128 (0.896x routed).
 _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 
+# The step template leaves to XLA a matmul whose result is one term of a sum of matmul
+# results (`Site.summed`) and whose own collective would take at least
+# `_SUMMED_TERM_COMM_OVER_COMPUTE` times its compute (the per-site model, unsliced): XLA
+# reduce-scatters the sum once where the rewrite would send a collective a term, with too
+# little compute of its own to hide it under. MaxText's Llama2-70B on v4 (docs/
+# benchmarks.md, "MaxText's Llama2-70B on v4"): the key and value projections' data
+# gradients (8 of 64 heads: 12x) rewritten, the step lost to XLA; left to XLA, it won.
+# GPT-3's query, key and value terms (1.3x) left to XLA lost 1.6 % (routed).
+_SUMMED_TERM_COMM_OVER_COMPUTE = 2.0
+_SUMMED_REASON = (
+    "one term of a sum of matmul results (a gradient summed over projections), which XLA "
+    "reduce-scatters once where the step template would send a collective a term")
+
 _TOO_LITTLE_COMPUTE_NOTE = (
     "unsliced, in its own layout: under the flags of the step template, a step whose "
     "matmuls compute for too little to hide sliced collectives or relayouts under (GPT-3 "
@@ -755,12 +903,15 @@ def _step_template_applies(ctx, profile, request) -> bool:
 
 
 def _step_template(dataflow, ksplits, compute_s, largest_s, *, forward=True,
-                   weight_contracted_last=False, taller_than_wide=False) -> tuple:
+                   weight_contracted_last=False, taller_than_wide=False,
+                   weight_gradient=False) -> tuple:
   """(algorithm, ksplit) the step template gives a site of `dataflow` that computes for
   `compute_s` in a step whose largest templated site computes for `largest_s`:
 
   - an lhs-stationary site sliced in two, or in four when it is one of the step's large
-    matmuls (`_TEMPLATE_LARGE_FRACTION` of the largest: the MLP's);
+    matmuls (`_TEMPLATE_LARGE_FRACTION` of the largest: the MLP's), except a weight
+    gradient (`weight_gradient`: a swapped site), whose slices each re-lay out the
+    whole batch's activations (MaxText's Llama2-70B: 20 ms of copies a layer at S=4);
   - in the backward pass (`forward` False), a large output-stationary site whose weight is
     contracted on its last dimension (dy @ W^T, the activation gradient of an
     lhs-stationary forward site, which waits on the gradient that just arrived) sliced in
@@ -774,6 +925,8 @@ def _step_template(dataflow, ksplits, compute_s, largest_s, *, forward=True,
   flow = costing.model_dataflow(dataflow)
   large = compute_s >= _TEMPLATE_LARGE_FRACTION * largest_s
   if dataflow.startswith("1d"):
+    wanted = 1
+  elif flow == "ls" and weight_gradient:
     wanted = 1
   elif flow == "ls":
     wanted = 4 if large else 2

@@ -117,6 +117,9 @@ def test_step_template_rules():
                   taller_than_wide=False) == ("collective", 1)
   assert template("rs", both, 0.0098, 0.0099, forward=False,
                   taller_than_wide=True) == ("collective", 1)
+  # a weight gradient in the lhs-stationary form (another result layout): unsliced
+  assert template("ls", both, big, largest, forward=False,
+                  weight_gradient=True) == ("collective", 1)
 
 
 @pytest.mark.parametrize("case", ["windowed einsum on", "v5p", "pinned algorithm",
@@ -185,3 +188,53 @@ def test_the_step_decides_so_small_sites_of_a_large_step_take_the_template():
                               1, s.profile).compute_s for s in report.rewritten}
   assert min(compute.values()) < least < max(compute.values())
   assert report.measured_on_compiled_steps == report.rewritten and len(compute) == 32
+
+
+def test_summed_matmuls_are_the_terms_of_a_sum_of_matmul_results():
+  """`planning._summed_matmuls`: the dot_generals whose results, through layout-only ops
+  and chains of adds, are added to another matmul's; a value used elsewhere too (a
+  residual stream) is not a term."""
+  import jax
+  import jax.numpy as jnp
+  from meshslice.planning import _summed_matmuls
+
+  def fan_in(a, b, c, w):          # dx = a w1 + b w2 + c w3, one term through a convert
+    return (a @ w + (b @ w).astype(jnp.float32).astype(a.dtype)) + c @ w
+
+  def residual(x, w):              # x2 = x1 + x1 w, x1 = x + x w: x1 is used twice
+    x1 = x + x @ w
+    return x1 + x1 @ w
+
+  def lone(x, w):
+    return x + x @ w
+
+  x = jnp.ones((4, 4))
+  jaxpr = jax.make_jaxpr(fan_in)(x, x, x, x).jaxpr
+  dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
+  assert len(dots) == 3 and _summed_matmuls(jaxpr) == frozenset(dots)
+  assert _summed_matmuls(jax.make_jaxpr(residual)(x, x).jaxpr) == frozenset()
+  assert _summed_matmuls(jax.make_jaxpr(lone)(x, x).jaxpr) == frozenset()
+
+
+def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla():
+  """The Llama-shaped whole step at 256 v4 chips as 64x4 (planning only): the
+  key and value projections' data gradients (8 of 64 heads: their collectives 12x their
+  compute) are terms of dx = dq Wq^T + dk Wk^T + dv Wv^T, left to XLA, which reduce-
+  scatters the sum once; the query's term and the gated MLP's two terms, whose compute
+  hides their collectives, keep the template."""
+  from meshslice import whole_step
+  mesh = aot.make_mesh("v4:8x8x4", (64, 4))
+  step, params, opt, data = whole_step.whole_step("llama70b", mesh, layers=4)
+  report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
+      "dense,async,all_to_all", "v4"))(params, opt, data)
+  summed = {(s.module, s.rewritten) for s in report.sites if s.summed}
+  assert summed == {("layers/wk", False), ("layers/wv", False), ("layers/wq", True),
+                    ("layers/w_gate", True), ("layers/w_up", True)}
+  left = [s for s in report.sites if s.summed and not s.rewritten]
+  assert all(s.direction == "backward" and s.rule == "step_template" for s in left)
+  assert all(s.reason == "left to XLA: one term of a sum of matmul results (a gradient "
+             "summed over projections), which XLA reduce-scatters once where the step "
+             "template would send a collective a term" for s in left)
+  kept = {s.module: (s.algorithm, s.ksplit) for s in report.sites if s.summed and s.rewritten}
+  assert kept == {"layers/wq": ("meshslice", 2), "layers/w_gate": ("meshslice", 4),
+                  "layers/w_up": ("meshslice", 4)}
