@@ -257,3 +257,24 @@ def test_pins_a_site_cannot_honour_name_the_override(pin, start):
   f, x, w = _program()
   with pytest.raises(ValueError, match="^" + re.escape(start)):
     meshslice.explain(f, overrides={0: pin})(x, w)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{overrides: 1}", "--options: not JSON (Expecting property name enclosed in double "
+                       "quotes: line 1 column 2 (char 1))"),
+    ("[1, 2]", "--options: a JSON object of transform options is needed, got list"),
+])
+def test_options_from_json_names_the_flag(text, message):
+  from meshslice.options import options_from_json
+  with pytest.raises(ValueError) as e:
+    options_from_json(text, "--options")
+  assert str(e.value) == message
+
+
+def test_options_from_json_takes_digit_keys_as_site_indices():
+  from meshslice.options import options_from_json
+  options = options_from_json('{"overrides": {"24": {"dataflow": "ls"}, " 3 ": {}, '
+                              '"model.py:41": {"ksplit": 2}}, "relayout": false}')
+  assert options == {"overrides": {24: {"dataflow": "ls"}, 3: {},
+                                   "model.py:41": {"ksplit": 2}}, "relayout": False}
+  meshslice.transform(lambda x: x, **options)          # and transform takes them
