@@ -136,6 +136,9 @@ CONFIGS = (
     # the same at half the batch: the sequences per chip of the project's own Llama step
     Published("llama2-70b-v4-b2", "v4-512", 0, 2, 4, "full", None, None, generation="v4",
               model="llama2-70b", seq=4096),
+    # and on 256 v5p chips, where the per-site model plans (no step template there)
+    Published("llama2-70b-v5p", "v5p-512", 0, 4, 4, "full", None, None, generation="v5p",
+              model="llama2-70b", seq=4096),
 )
 BY_NAME = {r.name: r for r in PUBLISHED + CONFIGS}
 SEQ = 2048

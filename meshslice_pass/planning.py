@@ -784,8 +784,10 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
     templated = (not no_overlap and algorithm is None
                  and _step_template_applies(ctx, profile, request))
-    unsliced = costmodel.predict(problem, "collective", flow, 1, profile) if templated else None
-    compute_s = unsliced.compute_s if templated else 0.0
+    # the site as the collective algorithm, unsliced: what the template sizes sites by
+    unsliced = (costmodel.predict(problem, "collective", flow, 1, profile) if templated
+                else costmodel.Cost())
+    compute_s = unsliced.compute_s
     if templated and ctx.template_mode == "probe":
       # the step's compute decides (`plan_program`); until then, a site of a step with
       # too little compute for the template's collectives to hide under, or a sliced

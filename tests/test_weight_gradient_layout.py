@@ -44,13 +44,16 @@ def _abstract(weights, data, batch, seq, embed, mlp, dtype=jnp.bfloat16):
   return params, jax.ShapeDtypeStruct((batch, seq, embed), dtype, sharding=data)
 
 
+def _planned_on_v4(**sizes):
+  """The MLP step planned for TPU v4 under the step template's flags, at `sizes`."""
+  step, weights, data = _mlp_step(mesh((2, 4), ("fsdp", "tensor")))
+  flags = aot.preset_flags("dense,async,all_to_all", "v4")
+  return meshslice.transform(step, profile="tpu-v4", compiler_flags=flags).explain(
+      *_abstract(weights, data, **sizes))
+
 
 def test_the_down_projections_gradient_gathers_the_narrower_operand():
-  msh = mesh((2, 4), ("fsdp", "tensor"))
-  step, weights, data = _mlp_step(msh)
-  flags = aot.preset_flags("dense,async,all_to_all", "v4")
-  report = meshslice.transform(step, profile="tpu-v4", compiler_flags=flags).explain(
-      *_abstract(weights, data, batch=16, seq=512, embed=1024, mlp=8192))
+  report = _planned_on_v4(batch=16, seq=512, embed=1024, mlp=8192)
   wo_grad = next(s for s in report.sites if s.swapped and s.lhs_shape[-1] == 8192)
   wi_grad = next(s for s in report.sites if s.swapped and s.lhs_shape[-1] == 1024)
   # wo's gradient: lhs-stationary over the transposed mesh, so the result is laid out
@@ -68,11 +71,7 @@ def test_the_down_projections_gradient_gathers_the_narrower_operand():
 
 def test_no_layout_leaves_the_result_narrower_than_a_vreg():
   # embed 192 over fsdp=2 would leave 96 of the 128 lanes: wo's gradient keeps its layout
-  msh = mesh((2, 4), ("fsdp", "tensor"))
-  step, weights, data = _mlp_step(msh)
-  flags = aot.preset_flags("dense,async,all_to_all", "v4")
-  report = meshslice.transform(step, profile="tpu-v4", compiler_flags=flags).explain(
-      *_abstract(weights, data, batch=16, seq=2048, embed=192, mlp=8192))
+  report = _planned_on_v4(batch=16, seq=2048, embed=192, mlp=8192)
   wo_grad = next(s for s in report.sites if s.swapped and s.lhs_shape[-1] == 8192)
   assert wo_grad.out_spec == "P('fsdp', 'tensor')", str(report)
   assert "into result layout" not in wo_grad.note
