@@ -255,25 +255,28 @@ def _summed_matmuls(jaxpr) -> frozenset:
       v = eqn.invars[0]
     return v
 
-  def terms(v, seen):
+  def source(v):
+    # the equation a value is one term of a sum from, or None when it is needed elsewhere
     v = through_layout_ops(v)
-    if not sole(v):
-      return []
-    i = producer[v]
-    eqn = jaxpr.eqns[i]
-    if eqn.primitive.name == "dot_general":
-      return [i]
-    if eqn.primitive.name in _SUM_PRIMITIVES and i not in seen:
-      seen.add(i)
-      return [t for x in eqn.invars for t in terms(x, seen)]
-    return []
+    return producer[v] if sole(v) else None
 
+  sums = {i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in _SUM_PRIMITIVES}
+  inner = {j for i in sums for x in jaxpr.eqns[i].invars if (j := source(x)) in sums}
   summed = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _SUM_PRIMITIVES:
-      found = [t for x in eqn.invars for t in terms(x, set())]
-      if len(found) >= 2:
-        summed.update(found)
+  for root in sorted(sums - inner):
+    # walk the tree of adds below the root (each inner add has one consumer: visited once)
+    dots, stack = [], [root]
+    while stack:
+      for x in jaxpr.eqns[stack.pop()].invars:
+        j = source(x)
+        if j is None:
+          continue
+        if jaxpr.eqns[j].primitive.name == "dot_general":
+          dots.append(j)
+        elif j in sums:
+          stack.append(j)
+    if len(dots) >= 2:
+      summed.update(dots)
   return frozenset(summed)
 
 

@@ -219,6 +219,10 @@ def test_summed_matmuls_are_the_terms_of_a_sum_of_matmul_results():
   assert len(dots) == 3 and _summed_matmuls(jaxpr) == frozenset(dots)
   assert _summed_matmuls(jax.make_jaxpr(residual)(x, x).jaxpr) == frozenset()
   assert _summed_matmuls(jax.make_jaxpr(lone)(x, x).jaxpr) == frozenset()
+  # a chain of adds deeper than Python's recursion limit (a gradient accumulated over
+  # unrolled steps), walked once
+  chain = jax.make_jaxpr(lambda x, w: sum(x @ (w + i) for i in range(1500)))(x, x).jaxpr
+  assert len(_summed_matmuls(chain)) == 1500
 
 
 def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla():
