@@ -139,6 +139,9 @@ CONFIGS = (
     # and on 256 v5p chips, where the per-site model plans (no step template there)
     Published("llama2-70b-v5p", "v5p-512", 0, 4, 4, "full", None, None, generation="v5p",
               model="llama2-70b", seq=4096),
+    # Llama3.1-70B (128256-token vocabulary) at its 8192 context, 2 sequences per device
+    Published("llama3.1-70b-v4", "v4-512", 0, 2, 4, "full", None, None, generation="v4",
+              model="llama3.1-70b", seq=8192),
 )
 BY_NAME = {r.name: r for r in PUBLISHED + CONFIGS}
 SEQ = 2048
@@ -148,6 +151,8 @@ VOCAB = 32768
 MODELS = {
     "llama2-70b": {"emb": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "mlp": 28672,
                    "layers": 80, "vocab": 32000, "gated": True, "tied": False},
+    "llama3.1-70b": {"emb": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "mlp": 28672,
+                     "layers": 80, "vocab": 128256, "gated": True, "tied": False},
 }
 
 

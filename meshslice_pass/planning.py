@@ -536,7 +536,7 @@ def _other_output_layouts(found, match, plan, out, out_demand, lhs_spec, rhs_spe
     minor = out.shape[-1] // math.prod(ctx.axis_sizes.get(a, 1) for a in other.out_spec[-1])
     if minor < _MIN_MINOR_DIM:
       continue
-    candidate = plan(other, lhs_spec, rhs_spec)
+    candidate = plan(other, lhs_spec, rhs_spec, result_resharded=True)
     if not candidate.rewritten:
       continue
     extra = costing.reshard_seconds(out.shape, out.dtype, out_demand, ctx.axis_sizes,
@@ -730,9 +730,11 @@ RELAYOUT_MARGIN = 0.9
 
 
 def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs, rhs, out, match,
-                lhs_spec, rhs_spec):
-  """The site planned as `match` on operands laid out as lhs_spec / rhs_spec. Every match
-  comes from `matching.classify`, which has proved it exact (`validation.site_reason`)."""
+                lhs_spec, rhs_spec, result_resharded=False):
+  """The site planned as `match` on operands laid out as lhs_spec / rhs_spec (and, with
+  `result_resharded`, a result layout other than the program's: `_other_output_layouts`).
+  Every match comes from `matching.classify`, which has proved it exact
+  (`validation.site_reason`)."""
   base = dict(base, out_spec=S.describe(match.out_spec))
   geometry = matching.geometry_of(
       match, dimension_numbers, ctx.axis_sizes, precision=eqn.params.get("precision"),
@@ -809,7 +811,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       algorithm, ksplit = _step_template(
           match.dataflow, ksplits, compute_s, ctx.template_largest_s, forward=forward,
           weight_contracted_last=_weight_contracted_last(dimension_numbers, rhs),
-          taller_than_wide=problem.m > problem.n, weight_gradient=base["swapped"])
+          taller_than_wide=problem.m > problem.n, result_resharded=result_resharded)
       if not costmodel.why_too_big(problem, algorithm, flow, ksplit, profile):
         # priced at most as the collective: the per-site model charges the slices' all-
         # to-alls as exposed, where on the compiled step the second slice's matmul hides
@@ -909,14 +911,15 @@ def _step_template_applies(ctx, profile, request) -> bool:
 
 def _step_template(dataflow, ksplits, compute_s, largest_s, *, forward=True,
                    weight_contracted_last=False, taller_than_wide=False,
-                   weight_gradient=False) -> tuple:
+                   result_resharded=False) -> tuple:
   """(algorithm, ksplit) the step template gives a site of `dataflow` that computes for
   `compute_s` in a step whose largest templated site computes for `largest_s`:
 
   - an lhs-stationary site sliced in two, or in four when it is one of the step's large
     matmuls (`_TEMPLATE_LARGE_FRACTION` of the largest: the MLP's), except a weight
-    gradient (`weight_gradient`: a swapped site), whose slices each re-lay out the
-    whole batch's activations (MaxText's Llama2-70B: 20 ms of copies a layer at S=4);
+    gradient computed into another result layout (`result_resharded`,
+    `_other_output_layouts`), whose slices each re-lay out the whole batch's activations
+    (MaxText's Llama2-70B: 20 ms of copies a layer at S=4);
   - in the backward pass (`forward` False), a large output-stationary site whose weight is
     contracted on its last dimension (dy @ W^T, the activation gradient of an
     lhs-stationary forward site, which waits on the gradient that just arrived) sliced in
@@ -931,7 +934,7 @@ def _step_template(dataflow, ksplits, compute_s, largest_s, *, forward=True,
   large = compute_s >= _TEMPLATE_LARGE_FRACTION * largest_s
   if dataflow.startswith("1d"):
     wanted = 1
-  elif flow == "ls" and weight_gradient:
+  elif flow == "ls" and result_resharded:
     wanted = 1
   elif flow == "ls":
     wanted = 4 if large else 2

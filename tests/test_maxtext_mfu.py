@@ -73,6 +73,11 @@ def test_a_named_maxtext_model_on_v4(bench_script):
   assert "base_emb_dim" not in o and m.PEAK_FLOPS[row.profile] == 275e12
   # the 2023 rows' parameters are unchanged by the named-model fields
   assert m.params(m.model_dims(m.BY_NAME["32b"])) == m.params(m.dims(32))
+  # Llama3.1-70B: the same body, a 128256-token vocabulary (70.55B), context 8192
+  row = m.BY_NAME["llama3.1-70b-v4"]
+  assert m.params(m.model_dims(row)) / 1e9 == pytest.approx(70.55, abs=0.01)
+  assert (row.seq, row.per_device_batch, m.overrides(row, 3)["model_name"]) == (
+      8192, 2, "llama3.1-70b")
 
 
 def test_a_config_without_maxtext_flags_needs_a_preset(bench_script):

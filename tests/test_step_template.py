@@ -117,9 +117,9 @@ def test_step_template_rules():
                   taller_than_wide=False) == ("collective", 1)
   assert template("rs", both, 0.0098, 0.0099, forward=False,
                   taller_than_wide=True) == ("collective", 1)
-  # a weight gradient in the lhs-stationary form (another result layout): unsliced
+  # a weight gradient computed into another result layout, lhs-stationary: unsliced
   assert template("ls", both, big, largest, forward=False,
-                  weight_gradient=True) == ("collective", 1)
+                  result_resharded=True) == ("collective", 1)
 
 
 @pytest.mark.parametrize("case", ["windowed einsum on", "v5p", "pinned algorithm",
