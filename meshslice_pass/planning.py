@@ -514,6 +514,13 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # a relayout must win clearly: the model does not see every cost of a reshard
   best = min(options, key=lambda c: c.predicted_seconds if c is site
              else c.predicted_seconds / RELAYOUT_MARGIN)
+  if (base["summed"] and best.rewritten and best.rule == pins.STEP_TEMPLATE_RULE
+      and site.problem is not None
+      and _term_left_to_xla(site, sliced=best.ksplit > 1)):
+    return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
+                               block=None, predicted_seconds=None,
+                               rule=pins.STEP_TEMPLATE_RULE,
+                               reason=f"{pins.LEFT_TO_XLA}: {_SUMMED_REASON}")
   return _versus_xla(best, site, ctx, request, base, cheapest_elsewhere)
 
 
@@ -801,12 +808,6 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       ksplits = (1,)
       site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
                                  note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
-    elif (templated and base["summed"]
-          and unsliced.comm_s >= _SUMMED_TERM_COMM_OVER_COMPUTE * unsliced.compute_s):
-      return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
-                                 block=None, predicted_seconds=None,
-                                 rule=pins.STEP_TEMPLATE_RULE,
-                                 reason=f"{pins.LEFT_TO_XLA}: {_SUMMED_REASON}")
     elif templated:
       algorithm, ksplit = _step_template(
           match.dataflow, ksplits, compute_s, ctx.template_largest_s, forward=forward,
@@ -873,15 +874,28 @@ _STEP_TEMPLATE_NOTE = (
 # 128-head layer at seq 128 (0.896x routed).
 _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 
-# The step template leaves to XLA a matmul whose result is one term of a sum of matmul
-# results (`Site.summed`) and whose own collective would take at least
-# `_SUMMED_TERM_COMM_OVER_COMPUTE` times its compute (the per-site model, unsliced): XLA
-# reduce-scatters the sum once where the rewrite would send a collective a term, with too
-# little compute of its own to hide it under. MaxText's Llama2-70B on v4 (docs/
-# benchmarks.md, "MaxText's Llama2-70B on v4"): the key and value projections' data
-# gradients (8 of 64 heads: 12x) rewritten, the step lost to XLA; left to XLA, it won.
-# GPT-3's query, key and value terms (1.3x) left to XLA lost 1.6 % (routed).
+def _term_left_to_xla(site, sliced: bool) -> bool:
+  """Whether the step template leaves to XLA `site`, a matmul whose result is one term of
+  a sum of matmul results (`Site.summed`), planned in its own layout: when its collective
+  (the per-site model, unsliced) takes `_SUMMED_TERM_COMM_OVER_COMPUTE` times its
+  compute, or, where its plan is not `sliced` (nothing of its own hides the collective),
+  `_UNSLICED_TERM_COMM_OVER_COMPUTE` times. XLA reduce-scatters the sum once where the
+  rewrite sends a collective a term."""
+  cost = costmodel.predict(site.problem, "collective", costing.model_dataflow(site.dataflow),
+                           1, site.profile)
+  ratio = _SUMMED_TERM_COMM_OVER_COMPUTE if sliced else _UNSLICED_TERM_COMM_OVER_COMPUTE
+  return cost.comm_s >= ratio * cost.compute_s
+
+
+# Measured on v4 (docs/benchmarks.md, "MaxText's Llama2-70B on v4"): MaxText's
+# Llama2-70B lost to XLA with its key and value projections' data gradients (8 of 64
+# heads, sliced in two: 12x) rewritten and won with them left; its query's term
+# (unsliced, gathering the query heads: 1.5x) left too gained 0.6 % more, and on
+# Llama3.1-70B 1.7 %, turning a loss into a win. Left to XLA, GPT-3's query, key and value
+# terms (sliced, 1.3x) lost 1.6 % (routed), and the Llama-shaped step's query term
+# (sliced, 1.7x) 3.1 %: a sliced term hides its collective under its second slice.
 _SUMMED_TERM_COMM_OVER_COMPUTE = 2.0
+_UNSLICED_TERM_COMM_OVER_COMPUTE = 1.4
 _SUMMED_REASON = (
     "one term of a sum of matmul results (a gradient summed over projections), which XLA "
     "reduce-scatters once where the step template would send a collective a term")

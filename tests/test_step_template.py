@@ -226,11 +226,11 @@ def test_summed_matmuls_are_the_terms_of_a_sum_of_matmul_results():
 
 
 def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla():
-  """The Llama-shaped whole step at 256 v4 chips as 64x4 (planning only): the
-  key and value projections' data gradients (8 of 64 heads: their collectives 12x their
-  compute) are terms of dx = dq Wq^T + dk Wk^T + dv Wv^T, left to XLA, which reduce-
-  scatters the sum once; the query's term and the gated MLP's two terms, whose compute
-  hides their collectives, keep the template."""
+  """The Llama-shaped whole step at 256 v4 chips as 64x4 (planning only): the key and
+  value projections' data gradients (8 of 64 heads: their collectives 12x their compute)
+  are terms of dx = dq Wq^T + dk Wk^T + dv Wv^T, left to XLA, which reduce-scatters the
+  sum once; the query's term (1.7x, sliced in two: its second slice hides the first's
+  collective) and the gated MLP's two terms (0.6x) keep the template."""
   from meshslice import whole_step
   mesh = aot.make_mesh("v4:8x8x4", (64, 4))
   step, params, opt, data = whole_step.whole_step("llama70b", mesh, layers=4)
@@ -247,3 +247,8 @@ def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla()
   kept = {s.module: (s.algorithm, s.ksplit) for s in report.sites if s.summed and s.rewritten}
   assert kept == {"layers/wq": ("meshslice", 2), "layers/w_gate": ("meshslice", 4),
                   "layers/w_up": ("meshslice", 4)}
+  # the query's term unsliced (as MaxText's, gathering its heads, was) would be left too:
+  # its collective takes 1.7x its compute, over the unsliced threshold (1.4x)
+  from meshslice.planning import _term_left_to_xla
+  query = next(s for s in report.sites if s.summed and s.module == "layers/wq")
+  assert not _term_left_to_xla(query, sliced=True) and _term_left_to_xla(query, sliced=False)
