@@ -489,8 +489,7 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
     extra = sum(costing.reshard_seconds(aval.shape, aval.dtype, b, ctx.axis_sizes,
                                         ctx.options.profile) for _, _, b, aval in moved)
     how = ", ".join(f"{name} {S.describe(a)} -> {S.describe(b)}" for name, a, b, _ in moved)
-    own = (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
-           else f"as {site.dataflow}: {site.reason}")
+    own = _as_planned(site)
     options.append(dataclasses.replace(
         candidate, predicted_seconds=candidate.predicted_seconds + extra,
         baseline_seconds=site.baseline_seconds,
@@ -536,6 +535,10 @@ def _other_output_layouts(found, match, plan, out, out_demand, lhs_spec, rhs_spe
   "MaxText's Llama2-70B on v4")."""
   if not _gathers_far_more_than_it_returns(match, site, out, ctx):
     return []
+  # the result's reshard into the wanted layout, whichever layout it is computed in
+  extra = costing.reshard_seconds(out.shape, out.dtype, out_demand, ctx.axis_sizes,
+                                  ctx.options.profile)
+  own = _as_planned(site)
   candidates = []
   for other in found.matches:
     if other.out_spec == match.out_spec or other.dataflow.startswith("1d"):
@@ -546,10 +549,6 @@ def _other_output_layouts(found, match, plan, out, out_demand, lhs_spec, rhs_spe
     candidate = plan(other, lhs_spec, rhs_spec, result_resharded=True)
     if not candidate.rewritten:
       continue
-    extra = costing.reshard_seconds(out.shape, out.dtype, out_demand, ctx.axis_sizes,
-                                    ctx.options.profile)
-    own = (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
-           else f"as {site.dataflow}: {site.reason}")
     candidates.append(dataclasses.replace(
         candidate, predicted_seconds=candidate.predicted_seconds + extra,
         baseline_seconds=site.baseline_seconds,
@@ -558,6 +557,13 @@ def _other_output_layouts(found, match, plan, out, out_demand, lhs_spec, rhs_spe
                                    f"{S.describe(match.out_spec)}, then resharded "
                                    f"(~{extra * 1e6:.0f} us, included); {own}")))
   return candidates
+
+
+def _as_planned(site) -> str:
+  """What a site costs (or why it is not rewritten) in the layout it was planned in: the
+  comparison a relayout's note gives."""
+  return (f"{site.predicted_seconds * 1e6:.1f} us as {site.dataflow}" if site.rewritten
+          else f"as {site.dataflow}: {site.reason}")
 
 
 def _gathers_far_more_than_it_returns(match, site, out, ctx) -> bool:
@@ -873,6 +879,7 @@ _STEP_TEMPLATE_NOTE = (
 # (1.105x XLA alpha-beta but 0.826x routed, 0.613x by libtpu's scheduler), and a 4 x
 # 128-head layer at seq 128 (0.896x routed).
 _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
+
 
 def _term_left_to_xla(site, sliced: bool) -> bool:
   """Whether the step template leaves to XLA `site`, a matmul whose result is one term of
