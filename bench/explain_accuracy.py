@@ -2,7 +2,11 @@
 the truth about the step"): what the per-site model predicts for the sites it priced
 against XLA's own program, beside the ratio the compiled programs' simulations give.
 Used by bench/tpu_models.py and bench/tpu_whole_step.py (run as scripts, so this module
-is importable from their folder); no flags of its own."""
+is importable from their folder); no flags of its own.
+
+`overlap` prints the split a step-level prediction has to get right: how much of a
+program's collective time is synchronous (all exposed) and how much of the asynchronous
+part the compute scheduled under it left exposed."""
 
 
 def predicted_by_explain(report) -> dict:
@@ -28,3 +32,19 @@ def versus_compiled(xla: dict, plan: dict, models) -> str:
     lines.append(f"  {model}: compiled {x / p:.3f}x, predicted {step:.3f}x (XLA's step less "
                  f"the saving): error {(step / (x / p) - 1) * 100:+.1f}%")
   return "\n".join(lines)
+
+
+def overlap(figures: dict) -> str:
+  """One simulation record (`Simulation.figures()`) as its sync / async split: sync
+  collective time and what the chip waited in them (their link's queue included), async
+  collective time and the share of it exposed.
+
+  >>> print(overlap({"sync_collective_s": 0.04, "sync_exposed_s": 0.045,
+  ...                "async_collective_s": 0.2, "async_exposed_s": 0.03}))
+  sync 40.00 ms (waited 45.00), async 200.00 ms of which 30.00 exposed (15.0 %)
+  """
+  sync, a = figures["sync_collective_s"], figures["async_collective_s"]
+  a_exposed = figures["async_exposed_s"]
+  share = f"{a_exposed / a * 100:.1f} %" if a else "-"
+  return (f"sync {sync * 1e3:.2f} ms (waited {figures['sync_exposed_s'] * 1e3:.2f}), "
+          f"async {a * 1e3:.2f} ms of which {a_exposed * 1e3:.2f} exposed ({share})")

@@ -146,18 +146,12 @@ def read(compiled, seconds: float, log_text: str, mesh, shape, profile: str) -> 
            "nominal_wasted_s": record.wasted_cycles / clock,
            "computations_logged": len(totals)}
 
-  def sim(s):
-    return {"model": s.model, "step_s": s.step_s, "compute_s": s.compute_s,
-            "exposed_s": s.exposed_s, "collective_s": s.collective_s,
-            "sync_collective_s": s.sync_collective_s,
-            "exposed_by": [list(g) for g in s.exposed_by()]}
-
   row = result.row()
   summary = {k: row[k] for k in ("compute_cycles", "dot_cycles", "copy_cycles",
                                  "relayout_copies", "collectives", "collective_bytes",
                                  "sync_collectives", "async_collectives",
                                  "windowed_einsum_loops")}
-  return {"alpha-beta": sim(ab), "routed-links": sim(routed), "libtpu-lhs": lhs,
+  return {"alpha-beta": ab.figures(), "routed-links": routed.figures(), "libtpu-lhs": lhs,
           "summary": summary, "loops": len([e for e in schedule.entries
                                             if isinstance(e, tpu_schedule.Loop)]),
           "libtpu_peak_bytes": result.libtpu_peak_bytes, "peak_bytes": result.peak_bytes,
@@ -239,6 +233,7 @@ def exposure(records: dict, top: int) -> str:
                          for label, sec, n in s["exposed_by"][:top])
       lines.append(f"  {name:<8} {model:<13} exposed {s['exposed_s'] * 1e3:7.2f} ms: "
                    f"{groups or 'nothing'}")
+      lines.append(f"  {'':<8} {'':<13} {explain_accuracy.overlap(s)}")
     lhs = f["libtpu-lhs"]
     if lhs is not None:
       kinds = "; ".join(f"{k} {v / 1e6:.2f}M" for k, v in sorted(

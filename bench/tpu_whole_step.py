@@ -86,17 +86,11 @@ def read(compiled, seconds: float, mesh, shape, profile: str,
            "loop_cycles": result.scheduler_loop_cycles, "cycles": cycles,
            "wasted_cycles": result.scheduler_wasted_cycles}
 
-  def sim(s):
-    return {"model": s.model, "step_s": s.step_s, "compute_s": s.compute_s,
-            "exposed_s": s.exposed_s, "collective_s": s.collective_s,
-            "sync_collective_s": s.sync_collective_s,
-            "exposed_by": [list(g) for g in s.exposed_by()]}
-
   row = result.row()
   keep = ("compute_cycles", "dot_cycles", "copy_cycles", "relayout_copies", "collectives",
           "collective_bytes", "sync_collectives", "async_collectives",
           "windowed_einsum_loops", "peak_bytes", "temp_bytes", "libtpu_peak_bytes")
-  return {"alpha-beta": sim(result.simulation), "routed-links": sim(routed),
+  return {"alpha-beta": result.simulation.figures(), "routed-links": routed.figures(),
           "libtpu-lhs": lhs, **{k: row[k] for k in keep}, "compile_s": seconds,
           "hlo_chars": len(compiled.as_text())}
 
@@ -133,6 +127,7 @@ def exposure(records: dict, top: int) -> str:
                          for label, sec, n in s["exposed_by"][:top])
       lines.append(f"  {name:<9} {m:<12} exposed {s['exposed_s'] * 1e3:8.2f} ms: "
                    f"{groups or 'nothing'}")
+      lines.append(f"  {'':<9} {'':<12} {explain_accuracy.overlap(s)}")
   return "\n".join(lines)
 
 

@@ -104,6 +104,48 @@ class Simulation:
   waits: tuple = ()
   model: str = "alpha-beta"
 
+  @property
+  def async_collective_s(self) -> float:
+    """The part of collective_s spent in asynchronous collectives (start / done pairs)."""
+    return self.collective_s - self.sync_collective_s
+
+  @property
+  def sync_exposed_s(self) -> float:
+    """The part of exposed_s the chip stood still in synchronous collectives (their own
+    time, and any wait for their link to free)."""
+    return sum(w.waited_s for w in self.waits if w.sync)
+
+  @property
+  def async_exposed_s(self) -> float:
+    """The part of exposed_s spent at async dones whose collective had not finished: the
+    share of the async collectives that the compute scheduled under them did not hide.
+    With `sync_exposed_s` it sums to exposed_s.
+
+    Example (one sync gather of 2 ms, one async gather of 4 ms that 3 ms of compute
+    half hides):
+      >>> waits = (Wait(name="a", collective="all-gather", sync=True, group_size=4, link=1,
+      ...               bytes=1, seconds=2e-3, waited_s=2e-3),
+      ...          Wait(name="b", collective="all-gather", sync=False, group_size=4,
+      ...               link=1, bytes=1, seconds=4e-3, waited_s=1e-3, between_s=3e-3))
+      >>> sim = Simulation(step_s=6e-3, compute_s=3e-3, collective_s=6e-3,
+      ...                  sync_collective_s=2e-3, exposed_s=3e-3, clock_hz=1e9,
+      ...                  profile="p", waits=waits)
+      >>> round(sim.async_collective_s * 1e3, 6), round(sim.async_exposed_s * 1e3, 6)
+      (4.0, 1.0)
+    """
+    return sum(w.waited_s for w in self.waits if not w.sync)
+
+  def figures(self) -> dict:
+    """The simulation as one JSON-able record (seconds), as the benchmarks write it: step,
+    compute, exposed and its sync / async split, collective time and its sync / async
+    split, and `exposed_by()`."""
+    return {"model": self.model, "step_s": self.step_s, "compute_s": self.compute_s,
+            "exposed_s": self.exposed_s, "sync_exposed_s": self.sync_exposed_s,
+            "async_exposed_s": self.async_exposed_s, "collective_s": self.collective_s,
+            "sync_collective_s": self.sync_collective_s,
+            "async_collective_s": self.async_collective_s,
+            "exposed_by": [list(g) for g in self.exposed_by()]}
+
   def exposed_by(self, top: int | None = None) -> list[tuple[str, float, int]]:
     """Where the exposed time goes: (`Wait.label`, seconds waited, how many waits) per
     label, largest first; the first `top` of them when given.

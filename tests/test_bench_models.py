@@ -29,11 +29,19 @@ def test_tpu_models_reads_every_program_under_three_models(tmp_path):
     assert "tpu_models.py" in r["command"]
   for r in records[:3]:
     for model in ("alpha-beta", "routed-links"):
-      assert r[model]["step_s"] >= r[model]["compute_s"] > 0
+      s = r[model]
+      assert s["step_s"] >= s["compute_s"] > 0
+      # the exposed time splits into the sync collectives' waits and the async dones'
+      assert s["sync_exposed_s"] + s["async_exposed_s"] == pytest.approx(s["exposed_s"])
+      assert s["sync_collective_s"] + s["async_collective_s"] == pytest.approx(
+          s["collective_s"])
+      assert 0 <= s["async_exposed_s"] <= s["async_collective_s"] + 1e-12
     assert r["libtpu-lhs"]["cycles"] > 0          # the scheduler log was captured
     assert r["libtpu_peak_bytes"] > 0
   # the tuned plan slices the ls sites of collective+all_to_all in two
   assert any("meshslice ls S=2 rs=all_to_all" in d for d in records[2]["plan"])
+  # and the printed split per program and model
+  assert proc.stdout.count("of which") >= 6 and " exposed (" in proc.stdout
   summary = records[3]
   for name in ("default", "tuned"):
     by_model = summary["ratios_xla_over_program"][name]
@@ -65,4 +73,10 @@ def test_tpu_plans_compiles_pinned_plans_and_reads_them_under_both_models(tmp_pa
   for r in records:
     assert r["topology"] == "v4:2x2x2" and "tpu_plans.py" in r["command"]
     for model in ("alpha-beta", "routed-links"):
-      assert r[model]["step_s"] >= r[model]["compute_s"] > 0
+      s = r[model]
+      assert s["step_s"] >= s["compute_s"] > 0
+      # the exposed time splits into the sync collectives' waits and the async dones'
+      assert s["sync_exposed_s"] + s["async_exposed_s"] == pytest.approx(s["exposed_s"])
+      assert s["sync_collective_s"] + s["async_collective_s"] == pytest.approx(
+          s["collective_s"])
+      assert 0 <= s["async_exposed_s"] <= s["async_collective_s"] + 1e-12

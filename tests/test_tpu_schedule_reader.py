@@ -594,6 +594,9 @@ def test_exposed_time_is_attributed_to_the_collective_waited_on():
   assert wait.between_s == pytest.approx(50 * US)
   assert wait.waited_s == pytest.approx(AG4 - 50 * US) == pytest.approx(sim.exposed_s)
   assert sim.exposed_by() == [("async all-gather n=4 link 1", pytest.approx(AG4 - 50 * US), 1)]
+  # all of it at an async done: the sync / async split of the exposed time
+  assert sim.async_exposed_s == pytest.approx(AG4 - 50 * US) and sim.sync_exposed_s == 0
+  assert sim.async_collective_s == pytest.approx(AG4) == pytest.approx(sim.collective_s)
 
 
 def test_a_done_that_finds_its_collective_finished_is_no_wait():
@@ -627,6 +630,14 @@ ENTRY %main (p0: bf16[1024,1024]) -> bf16[4096,1024] {
   assert sim.step_s == pytest.approx(2 * AG4)
   assert sum(w.waited_s for w in sim.waits) == pytest.approx(sim.exposed_s)
   assert sim.exposed_by(top=1) == [("sync all-gather n=4 link 1", pytest.approx(wait.waited_s), 1)]
+  # the sync gather's wait (its link's queue included) is sync exposed time; the async
+  # gather it queued behind counts as async collective time, none of it exposed
+  assert sim.sync_exposed_s == pytest.approx(wait.waited_s) and sim.async_exposed_s == 0
+  assert sim.async_collective_s == pytest.approx(AG4) == pytest.approx(sim.sync_collective_s)
+  figures = sim.figures()
+  assert figures["sync_exposed_s"] + figures["async_exposed_s"] == pytest.approx(
+      figures["exposed_s"])
+  assert figures["exposed_by"] == [list(g) for g in sim.exposed_by()]
 
 
 _BIDIRECTIONAL = """

@@ -184,6 +184,14 @@ def test_the_bench_tables_ratios_under_both_link_models(bench_script):
   text = bench.table(records, by)
   assert "| meshslice | alpha-beta | 750.00 | 620.00 | 130.00 | 1.200x | 5.00 | 150 |" in text
   assert "| xla | routed-links | 1000.00 | 600.00 | 400.00 | 1 (base) | 6.00 | 200 |" in text
+  # where the exposed time goes, with each model's sync / async split
+  split = {"sync_collective_s": 0.1, "sync_exposed_s": 0.12, "async_collective_s": 0.4,
+           "async_exposed_s": 0.05}
+  for f in records.values():
+    for model in bench.MODELS:
+      f[model].update(split)
+  assert bench.exposure(records, 3).count(
+      "sync 100.00 ms (waited 120.00), async 400.00 ms of which 50.00 exposed (12.5 %)") == 4
   # explain's prediction beside the compiled ratio: its saving (80 ms) off XLA's step
   records["meshslice"]["explain"] = {"sites_compared": 3, "xla_sites_s": 0.5,
                                      "plan_sites_s": 0.42}
