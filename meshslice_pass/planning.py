@@ -54,6 +54,7 @@ from . import pins
 from . import specs as S
 from .errors import PinError
 from ._jax_internals import eqn_name_stack, is_literal, scan_length, sub_jaxprs
+from .matmul_sums import summed_matmuls
 from .provenance import module_path, name_stack, source_location
 
 
@@ -102,7 +103,7 @@ class Site:
   # (`pins.judge`; also in `note`): the report shows them for left-alone sites too
   pin_notes: tuple = ()
   swapped: bool = False
-  # its result is added to another matmul's (`_summed_matmuls`): one term of a gradient
+  # its result is added to another matmul's (`matmul_sums.summed_matmuls`): one term of a gradient
   # summed over several projections, e.g. dx = dq Wq^T + dk Wk^T + dv Wv^T
   summed: bool = False
   predicted_seconds: float | None = None
@@ -202,7 +203,7 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
   for v in jaxpr.outvars:
     if not is_literal(v):
       consumers.setdefault(v, []).append(None)
-  summed = _summed_matmuls(jaxpr)
+  summed = summed_matmuls(jaxpr)
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
       transposed_by = _swapping_transpose(eqn, consumers.get(eqn.outvars[0], []))
@@ -218,66 +219,6 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
                         eqn_name_stack(eqn))], sites, runs * (scan_length(eqn) or 1))
-
-
-# What a matmul's result may pass through on its way into a sum and stay one term of it.
-_SUM_TRANSPARENT = frozenset({"convert_element_type", "reshape", "transpose", "copy",
-                              "sharding_constraint", "squeeze", "expand_dims"})
-_SUM_PRIMITIVES = frozenset({"add_any", "add"})
-
-
-def _summed_matmuls(jaxpr) -> frozenset:
-  """Indices of the dot_generals of `jaxpr` whose result, through layout-only ops, is one
-  of two or more matmul results added together (directly or in a chain of adds): XLA
-  partitions such a sum as one value, reducing the partial products once (one
-  reduce-scatter for dx = dq Wq^T + dk Wk^T + dv Wv^T) where per-site rewrites send one
-  collective a term."""
-  producer, uses = {}, {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.outvars:
-      producer[v] = i
-    for v in eqn.invars:
-      if not is_literal(v):
-        uses[v] = uses.get(v, 0) + 1
-  for v in jaxpr.outvars:
-    if not is_literal(v):
-      uses[v] = uses.get(v, 0) + 1
-
-  def sole(v):
-    # a value used elsewhere too is needed whole (a residual stream): no term of a sum
-    return not is_literal(v) and v in producer and uses.get(v) == 1
-
-  def through_layout_ops(v):
-    while sole(v):
-      eqn = jaxpr.eqns[producer[v]]
-      if eqn.primitive.name not in _SUM_TRANSPARENT or len(eqn.invars) != 1:
-        return v
-      v = eqn.invars[0]
-    return v
-
-  def source(v):
-    # the equation a value is one term of a sum from, or None when it is needed elsewhere
-    v = through_layout_ops(v)
-    return producer[v] if sole(v) else None
-
-  sums = {i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in _SUM_PRIMITIVES}
-  inner = {j for i in sums for x in jaxpr.eqns[i].invars if (j := source(x)) in sums}
-  summed = set()
-  for root in sorted(sums - inner):
-    # walk the tree of adds below the root (each inner add has one consumer: visited once)
-    dots, stack = [], [root]
-    while stack:
-      for x in jaxpr.eqns[stack.pop()].invars:
-        j = source(x)
-        if j is None:
-          continue
-        if jaxpr.eqns[j].primitive.name == "dot_general":
-          dots.append(j)
-        elif j in sums:
-          stack.append(j)
-    if len(dots) >= 2:
-      summed.update(dots)
-  return frozenset(summed)
 
 
 def _with_layout_hint(site, jaxpr, eqn, analysis):

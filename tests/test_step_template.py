@@ -196,12 +196,12 @@ def test_the_step_decides_so_small_sites_of_a_large_step_take_the_template():
 
 
 def test_summed_matmuls_are_the_terms_of_a_sum_of_matmul_results():
-  """`planning._summed_matmuls`: the dot_generals whose results, through layout-only ops
+  """`matmul_sums.summed_matmuls`: the dot_generals whose results, through layout-only ops
   and chains of adds, are added to another matmul's; a value used elsewhere too (a
   residual stream) is not a term."""
   import jax
   import jax.numpy as jnp
-  from meshslice.planning import _summed_matmuls
+  from meshslice.matmul_sums import summed_matmuls
 
   def fan_in(a, b, c, w):          # dx = a w1 + b w2 + c w3, one term through a convert
     return (a @ w + (b @ w).astype(jnp.float32).astype(a.dtype)) + c @ w
@@ -216,13 +216,13 @@ def test_summed_matmuls_are_the_terms_of_a_sum_of_matmul_results():
   x = jnp.ones((4, 4))
   jaxpr = jax.make_jaxpr(fan_in)(x, x, x, x).jaxpr
   dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
-  assert len(dots) == 3 and _summed_matmuls(jaxpr) == frozenset(dots)
-  assert _summed_matmuls(jax.make_jaxpr(residual)(x, x).jaxpr) == frozenset()
-  assert _summed_matmuls(jax.make_jaxpr(lone)(x, x).jaxpr) == frozenset()
+  assert len(dots) == 3 and summed_matmuls(jaxpr) == frozenset(dots)
+  assert summed_matmuls(jax.make_jaxpr(residual)(x, x).jaxpr) == frozenset()
+  assert summed_matmuls(jax.make_jaxpr(lone)(x, x).jaxpr) == frozenset()
   # a chain of adds deeper than Python's recursion limit (a gradient accumulated over
   # unrolled steps), walked once
   chain = jax.make_jaxpr(lambda x, w: sum(x @ (w + i) for i in range(1500)))(x, x).jaxpr
-  assert len(_summed_matmuls(chain)) == 1500
+  assert len(summed_matmuls(chain)) == 1500
 
 
 def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla():
