@@ -28,14 +28,7 @@ def test_tpu_models_reads_every_program_under_three_models(tmp_path):
     assert "--xla_tpu_enable_async_all_to_all=true" in r["libtpu_flags"]
     assert "tpu_models.py" in r["command"]
   for r in records[:3]:
-    for model in ("alpha-beta", "routed-links"):
-      s = r[model]
-      assert s["step_s"] >= s["compute_s"] > 0
-      # the exposed time splits into the sync collectives' waits and the async dones'
-      assert s["sync_exposed_s"] + s["async_exposed_s"] == pytest.approx(s["exposed_s"])
-      assert s["sync_collective_s"] + s["async_collective_s"] == pytest.approx(
-          s["collective_s"])
-      assert 0 <= s["async_exposed_s"] <= s["async_collective_s"] + 1e-12
+    _assert_simulated_figures(r)
     assert r["libtpu-lhs"]["cycles"] > 0          # the scheduler log was captured
     assert r["libtpu_peak_bytes"] > 0
   # the tuned plan slices the ls sites of collective+all_to_all in two
@@ -72,11 +65,16 @@ def test_tpu_plans_compiles_pinned_plans_and_reads_them_under_both_models(tmp_pa
   assert records[1]["options"]["overrides"] == {"0": {"rewrite": False}}
   for r in records:
     assert r["topology"] == "v4:2x2x2" and "tpu_plans.py" in r["command"]
-    for model in ("alpha-beta", "routed-links"):
-      s = r[model]
-      assert s["step_s"] >= s["compute_s"] > 0
-      # the exposed time splits into the sync collectives' waits and the async dones'
-      assert s["sync_exposed_s"] + s["async_exposed_s"] == pytest.approx(s["exposed_s"])
-      assert s["sync_collective_s"] + s["async_collective_s"] == pytest.approx(
-          s["collective_s"])
-      assert 0 <= s["async_exposed_s"] <= s["async_collective_s"] + 1e-12
+    _assert_simulated_figures(r)
+
+
+def _assert_simulated_figures(record):
+  """A bench record's figures under each time model: a step no shorter than its compute,
+  and the exposed time split into the sync collectives' waits and the async dones'."""
+  for model in ("alpha-beta", "routed-links"):
+    s = record[model]
+    assert s["step_s"] >= s["compute_s"] > 0
+    assert s["sync_exposed_s"] + s["async_exposed_s"] == pytest.approx(s["exposed_s"])
+    assert s["sync_collective_s"] + s["async_collective_s"] == pytest.approx(
+        s["collective_s"])
+    assert 0 <= s["async_exposed_s"] <= s["async_collective_s"] + 1e-12
