@@ -20,12 +20,13 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding
 
-from meshslice.rewrites import GemmGeometry, build_body
+from meshslice.rewrites import GemmGeometry, build_body, build_summed_body, summable
 from meshslice.rewrites.nesting import in_own_computation
 from meshslice.rewrites.platform import target_platform
 from meshslice.rewrites.slicing import not_before
 
 from . import specs as S
+from .matmul_sums import shared_reductions
 from ._jax_internals import (ClosedJaxpr, Literal, bind, copy_eqn, eqn_context, higher_order,
                              hoist_consts, inline_closed, rebind_context, retrace,
                              scan_params_with_consts, sub_jaxprs, trace_once, while_counts,
@@ -46,8 +47,10 @@ def handler(*kinds):
 class Emitter:
   """Evaluates a traced program with the planned sites rewritten."""
 
-  def __init__(self, sites, mesh, nest_sites=True):
+  def __init__(self, sites, mesh, nest_sites=True, share_reductions=True):
     self.mesh = mesh
+    # terms of one sum planned alike share one reduce-scatter (`rewrite_sum`)
+    self.shares_reductions = share_reductions
     on_cpu = target_platform(mesh) == "cpu"
     # The weight-gradient tie (`_gathers_wait`): by default on the CPU compiler only
     # (see `_holds_gathers_back`); a site's `hold_gathers` (option or pin) decides it.
@@ -100,14 +103,27 @@ class Emitter:
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
     folded = {}  # index of a reshape folded into its site -> the site's reshaped result
-    users = _users(jaxpr) if any(prefix + (i,) in self.plans
-                                 for i in range(len(jaxpr.eqns))) else {}
+    has_sites = any(prefix + (i,) in self.plans for i in range(len(jaxpr.eqns)))
+    users = _users(jaxpr) if has_sites else {}
+    # sums of sites planned alike, each emitted at its last add with one reduce-scatter;
+    # their terms and inner adds are not emitted on their own
+    sums = self._shared_sums(jaxpr, prefix) if has_sites else {}
+    deferred = {j for terms, adds in sums.values() for j in terms + adds}
     for i, eqn in enumerate(jaxpr.eqns):
       if i in folded:
         env[eqn.outvars[0]] = folded.pop(i)
         continue
-      invals = [read(v) for v in eqn.invars]
+      if i in deferred:
+        continue
       path = prefix + (i,)
+      if i in sums:
+        terms = [jaxpr.eqns[j] for j in sums[i][0]]
+        with rebind_context(eqn), eqn_context(terms[0]):
+          out = self.rewrite_sum([self.plans[prefix + (j,)] for j in sums[i][0]], terms,
+                                 [tuple(read(v) for v in t.invars) for t in terms])
+        env[eqn.outvars[0]] = out
+        continue
+      invals = [read(v) for v in eqn.invars]
       with rebind_context(eqn), eqn_context(eqn):
         if path in self.plans:
           site = self.plans[path]
@@ -128,13 +144,54 @@ class Emitter:
         env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
+  def rewrite_sum(self, sites, eqns, operands):
+    """The sum of the results of `sites` (their `eqns`, `operands` their (lhs, rhs)
+    values) with one reduce-scatter for all (`matmul_sums.shared_reductions` found them
+    planned alike)."""
+    site, eqn = sites[0], eqns[0]
+    lhs_spec, rhs_spec, out_spec = site.specs
+    if site.swapped:
+      operands = [(rhs, lhs) for lhs, rhs in operands]
+    flat = [x for pair in operands for x in pair]
+    key = ("sum", len(sites)) + self._plan_key(site) + tuple(jax.typeof(x) for x in flat)
+    traced = self._traced.get(key)
+    if traced is None:
+      options = {"scatter": site.reduce_scatter} if site.reduce_scatter else {}
+      body = build_summed_body(site.algorithm, site.geometry, site.ksplit, len(sites),
+                               **options)
+      if self._nests(site):
+        body = in_own_computation(body)
+      in_specs = (S.to_partition_spec(lhs_spec), S.to_partition_spec(rhs_spec)) * len(sites)
+      mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                             out_specs=S.to_partition_spec(out_spec))
+
+      def call(*xs):
+        return [mapped(*(_reshard_explicit(v, spec) for v, spec in zip(xs, in_specs)))]
+
+      traced = self._traced[key] = trace_once(call, *flat)
+    out, = inline_closed(traced, *flat)
+    return self._as_original(site, eqn, out)
+
+  def _as_original(self, site, eqn, out):
+    """A site's local result as the original equation returns it: transposed back if the
+    site was planned swapped, in the result layout it was typed with."""
+    if site.swapped:
+      lhs, rhs = (v.aval for v in eqn.invars)
+      (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+      nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
+      nr = rhs.ndim - len(lc) - len(lb)
+      out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
+                              + tuple(range(nb, nb + nr)))
+    # Explicit mode: the rest of the program was typed with the original result layout.
+    want = getattr(eqn.outvars[0].aval, "sharding", None)
+    if isinstance(want, NamedSharding) and _is_explicit(want):
+      out = _reshard_explicit(out, want.spec)
+    return out
+
   def rewrite(self, site, eqn, lhs, rhs, head_size=None):
     lhs_spec, rhs_spec, out_spec = site.specs
     if site.swapped:
       # planned as rhs . lhs, which is the transpose of the original result
-      (lc, _), (lb, _) = eqn.params["dimension_numbers"]
-      nb, nl = len(lb), lhs.ndim - len(lc) - len(lb)
-      nr = rhs.ndim - len(lc) - len(lb)
       lhs, rhs = rhs, lhs
     if head_size is not None:
       # the result's last dim split into (heads, head_size): split the rhs's free dim
@@ -166,14 +223,22 @@ class Emitter:
 
       traced = self._traced[key] = trace_once(call, lhs, rhs)
     out, = inline_closed(traced, lhs, rhs)
-    if site.swapped:
-      out = jax.lax.transpose(out, tuple(range(nb)) + tuple(range(nb + nr, nb + nr + nl))
-                              + tuple(range(nb, nb + nr)))
-    # Explicit mode: the rest of the program was typed with the original result layout.
-    want = getattr(eqn.outvars[0].aval, "sharding", None)
-    if isinstance(want, NamedSharding) and _is_explicit(want):
-      out = _reshard_explicit(out, want.spec)
-    return out
+    return self._as_original(site, eqn, out)
+
+  def _shared_sums(self, jaxpr, prefix) -> dict:
+    """`matmul_sums.shared_reductions` of `jaxpr` over its planned sites: terms alike in
+    plan and operand types, of an algorithm and dataflow with a summed form, typed in
+    the result layout the site returns (not Explicit mode's retyped results)."""
+    def key_of(i):
+      site = self.plans.get(prefix + (i,))
+      if site is None or not self.shares_reductions or not summable(site.algorithm,
+                                                                   site.geometry):
+        return None
+      eqn = jaxpr.eqns[i]
+      if any(_is_explicit(getattr(v.aval, "sharding", None)) for v in eqn.outvars):
+        return None
+      return self._plan_key(site) + tuple((v.aval.shape, v.aval.dtype) for v in eqn.invars)
+    return shared_reductions(jaxpr, key_of)
 
   def subjaxpr(self, closed_or_open, prefix_key):
     """Re-trace a sub-jaxpr through this interpreter; returns a ClosedJaxpr.

@@ -78,3 +78,69 @@ def summed_matmuls(jaxpr) -> frozenset:
     if len(dots) >= 2:
       summed.update(dots)
   return frozenset(summed)
+
+
+def shared_reductions(jaxpr, key_of) -> dict:
+  """The sums of `jaxpr` whose every term is a matmul that can share one reduction with
+  the others: {index of the sum's last add: (the terms' dot_general indices, in program
+  order; the indices of the sum's other adds)}.
+
+  A sum qualifies when it adds two or more dot_general results directly (no op between a
+  dot and its add; each result and each inner add used once, by the sum), with nothing
+  else added in, and `key_of(i)` gives one and the same key, not None, for every term:
+  the caller's way of saying the terms are planned alike (`emit.Emitter` keys them by
+  their plan and operand types). Such terms' partial products can be added before the
+  reduce-scatter that each would send (`rewrites.build_summed_body`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.ones((4, 4))
+    >>> jaxpr = jax.make_jaxpr(lambda a, b, c: a @ b + a @ c + b @ c)(x, x, x).jaxpr
+    >>> shared_reductions(jaxpr, lambda i: "alike")
+    {4: ((0, 1, 3), (2,))}
+    >>> shared_reductions(jaxpr, lambda i: i)       # planned differently: no sharing
+    {}
+    >>> shared_reductions(jax.make_jaxpr(lambda a, b: a @ b + a)(x, x).jaxpr, lambda i: 0)
+    {}
+  """
+  producer, uses = {}, {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.outvars:
+      producer[v] = i
+    for v in eqn.invars:
+      if not is_literal(v):
+        uses[v] = uses.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if not is_literal(v):
+      uses[v] = uses.get(v, 0) + 1
+
+  def direct_source(v):
+    # the equation whose result v is, when only the sum reads it
+    if is_literal(v) or v not in producer or uses.get(v) != 1:
+      return None
+    return producer[v]
+
+  sums = {i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in _SUM_PRIMITIVES}
+  inner = {j for i in sums for x in jaxpr.eqns[i].invars
+           if (j := direct_source(x)) in sums}
+  shared = {}
+  for root in sorted(sums - inner):
+    dots, adds, stack, pure = [], [], [root], True
+    while stack and pure:
+      i = stack.pop()
+      if i != root:
+        adds.append(i)
+      for x in jaxpr.eqns[i].invars:
+        j = direct_source(x)
+        if j is not None and j in sums:
+          stack.append(j)
+        elif (j is not None and jaxpr.eqns[j].primitive.name == "dot_general"
+              and key_of(j) is not None):
+          dots.append(j)
+        else:
+          pure = False         # something else is added in: the sum is not the terms'
+    # one key for all terms; the sum's dtype is the terms' (no promotion in the adds)
+    if (pure and len(dots) >= 2 and len({key_of(j) for j in dots}) == 1
+        and len({jaxpr.eqns[j].outvars[0].aval.dtype for j in dots + [root]}) == 1):
+      shared[root] = (tuple(sorted(dots)), tuple(sorted(adds)))
+  return shared

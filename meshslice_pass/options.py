@@ -97,6 +97,12 @@ class Options:
       / `check` is called. Planning itself reads no environment: a plan is a function of
       the program, the mesh, the options and these flags. Give them explicitly to plan
       on one machine for a job compiled with other flags.
+    share_reductions: when True (default), rewritten matmuls whose results are only
+      added together (a gradient summed over projections, dx = dq Wq^T + dk Wk^T +
+      dv Wv^T) and which are planned alike (the same ls or rs plan, operand types and
+      layouts) add their partial products on each device and send one reduce-scatter
+      a slice for the sum, as XLA's own program does for such a sum; the report notes
+      it on each of them. False: one reduce-scatter a term.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None
@@ -120,6 +126,7 @@ class Options:
   reduce_scatter: str | None = None
   hold_gathers: object = "auto"
   compiler_flags: tuple | None = None
+  share_reductions: bool = True
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
@@ -178,7 +185,7 @@ class Options:
     if not (isinstance(self.hold_gathers, bool) or self.hold_gathers == "auto"):
       raise ValueError("hold_gathers must be 'auto', True or False, got "
                        f"{self.hold_gathers!r}")
-    for name in ("strict", "relayout"):
+    for name in ("strict", "relayout", "share_reductions"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     choices = ("auto",) + xla_baseline.BASELINES

@@ -54,7 +54,7 @@ from . import pins
 from . import specs as S
 from .errors import PinError
 from ._jax_internals import eqn_name_stack, is_literal, scan_length, sub_jaxprs
-from .matmul_sums import summed_matmuls
+from .matmul_sums import shared_reductions, summed_matmuls
 from .provenance import module_path, name_stack, source_location
 
 
@@ -204,6 +204,7 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
     if not is_literal(v):
       consumers.setdefault(v, []).append(None)
   summed = summed_matmuls(jaxpr)
+  here = {}  # eqn index -> position in `sites` of the sites of this jaxpr
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name == "dot_general":
       transposed_by = _swapping_transpose(eqn, consumers.get(eqn.outvars[0], []))
@@ -212,6 +213,7 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
                         transposed_by, param, summed=i in summed)
       site = _with_layout_hint(site, jaxpr, eqn, analysis)
       # sites planned once and shared (ctx.decided) may run a different number of times
+      here[i] = len(sites)
       sites.append(site if site.runs == runs else dataclasses.replace(site, runs=runs))
       continue
     for (param, branch), sub in sub_jaxprs(eqn):
@@ -219,6 +221,56 @@ def _walk(jaxpr, analysis, ctx, prefix, context, sites, runs=1):
       _walk(sub, child, ctx, prefix + ((i, param, branch),),
             context + [(eqn.primitive.name, "transpose" in name_stack(eqn),
                         eqn_name_stack(eqn))], sites, runs * (scan_length(eqn) or 1))
+  if getattr(ctx.options, "share_reductions", False):
+    _share_reductions(jaxpr, here, sites, ctx)
+
+
+def _share_reductions(jaxpr, here, sites, ctx):
+  """The sites of each sum that will share one reduce-scatter (the emitter's
+  `Emitter._shared_sums`, keyed the same way: plan and operand types), noted so on each.
+  Under the step template such sites sliced in two run unsliced (`_SHARED_TEMPLATE_NOTE`),
+  unless a pin asked for their algorithm or slice count."""
+  def key_of(i):
+    site = sites[here[i]] if i in here else None
+    if site is None or not site.rewritten or not rewrites.summable(site.algorithm,
+                                                                   site.geometry):
+      return None
+    eqn = jaxpr.eqns[i]
+    return (site.algorithm, site.geometry, site.ksplit, site.reduce_scatter, site.specs,
+            site.swapped, site.hold_gathers,
+            tuple((v.aval.shape, v.aval.dtype) for v in eqn.invars))
+
+  for terms, _ in shared_reductions(jaxpr, key_of).values():
+    group = [sites[here[j]] for j in terms]
+    unslice = all(s.rule == pins.STEP_TEMPLATE_RULE and s.ksplit == 2
+                  and _unpinned_plan(ctx, s) for s in group)
+    for j, site in zip(terms, group):
+      others = ", ".join(f"#{s.index}" for s in group if s is not site)
+      note = (f"one reduce-scatter with sites {others}: their results are only summed, "
+              "so the partial products are added before it")
+      if unslice:
+        site = dataclasses.replace(site, algorithm="collective", ksplit=1,
+                                   block=site.geometry.block_size(1))
+        note = _join(note, _SHARED_TEMPLATE_NOTE)
+      sites[here[j]] = dataclasses.replace(site, note=_join(site.note, note))
+
+
+def _unpinned_plan(ctx, site) -> bool:
+  """Whether no pin of `site` asks for its algorithm or slice count."""
+  request = ctx.options.request_for(index=site.index, source=site.source,
+                                    module=site.module)
+  return request.algorithm is None and request.ksplit is None
+
+
+# The step template's sites of one shared sum that it slices in two run unsliced: the one
+# reduce-scatter moves a term's bytes for all of them, which the rest of the step hides
+# without slices. (The large ones it slices in four, the gated MLP's, keep their slices:
+# not measured unsliced.)
+# Measured on v4 at 256 chips (docs/benchmarks.md, "Sums that share one reduce-scatter"):
+# GPT-3 layer's attention input gradients (three ls terms) 155.01 / 160.21 ms unsliced
+# against 155.57 / 160.78 sliced in two and 156.86 / 163.01 in four (alpha-beta / routed).
+_SHARED_TEMPLATE_NOTE = ("unsliced: the step template's terms of one shared sum, "
+                         "whose one reduce-scatter hides under the step")
 
 
 def _with_layout_hint(site, jaxpr, eqn, analysis):

@@ -19,7 +19,7 @@ from . import cannon, oned, summa, wang
 from .cannon import build_cannon
 from .geometry import (DATAFLOWS, ONED_KINDS, GemmGeometry, OneDGeometry, extent_reason,
                        plain_gemm)
-from .meshslice import build_collective, build_meshslice
+from .meshslice import build_collective, build_meshslice, build_meshslice_sum
 from .oned import build_oned_collective, build_oned_ring, build_oned_sliced
 from .slicing import assemble_slices, take_slice
 from .summa import build_summa
@@ -146,8 +146,40 @@ def build_body(algorithm: str, geometry, ksplit: int = 1, **options):
   return entry.build_2d(geometry, ksplit, **options)
 
 
+# The algorithms with a body for a sum of several GEMMs of one geometry reduced once
+# (`build_summed_body`).
+SUMMABLE = ("collective", "meshslice")
+
+
+def summable(algorithm: str, geometry) -> bool:
+  """Whether `build_summed_body` can serve a sum of `algorithm` GEMMs of `geometry`: the
+  collective and MeshSlice algorithms on a 2D ls or rs geometry, whose partial products
+  are reduce-scattered (a reduce-scatter is linear, so the terms can share one)."""
+  return (algorithm in SUMMABLE and isinstance(geometry, GemmGeometry)
+          and geometry.dataflow in ("ls", "rs") and not supports(algorithm, geometry))
+
+
+def build_summed_body(algorithm: str, geometry, ksplit: int, terms: int, **options):
+  """The shard_map body of the sum of `terms` GEMMs of one geometry:
+  body(lhs_1, rhs_1, ..., lhs_n, rhs_n) = sum_t lhs_t . rhs_t, with one reduce-scatter a
+  slice for all terms (`meshslice.build_meshslice_sum`). Raises ValueError where
+  `summable` is False.
+
+  >>> from meshslice.rewrites import GemmGeometry
+  >>> g = GemmGeometry(dimension_numbers=(((1,), (0,)), ((), ())), dataflow="ls",
+  ...                  row_axis="x", col_axis="y", row_size=2, col_size=4,
+  ...                  lhs_dim=None, rhs_dim=1, out_dim=1, global_extent=64)
+  >>> body = build_summed_body("meshslice", g, 2, 3)   # body(x1, w1, x2, w2, x3, w3)
+  """
+  if not summable(algorithm, geometry):
+    raise ValueError(f"build_summed_body: {algorithm!r} on this geometry has no summed "
+                     f"form (algorithms {SUMMABLE}, 2D ls or rs sites only)")
+  return build_meshslice_sum(geometry, 1 if algorithm == "collective" else ksplit, terms,
+                             **options)
+
+
 __all__ = ["ALGORITHMS", "DATAFLOWS", "GemmGeometry", "ONED_KINDS", "OneDGeometry",
-           "assemble_slices", "build_body", "build_cannon", "build_collective",
-           "build_meshslice", "build_oned_collective", "build_oned_ring",
-           "build_oned_sliced", "build_summa", "build_wang", "plain_gemm", "supports",
-           "take_slice"]
+           "SUMMABLE", "assemble_slices", "build_body", "build_cannon", "build_collective",
+           "build_meshslice", "build_meshslice_sum", "build_oned_collective",
+           "build_oned_ring", "build_oned_sliced", "build_summa", "build_summed_body",
+           "build_wang", "plain_gemm", "summable", "supports", "take_slice"]

@@ -27,7 +27,8 @@ _NEVER_REACHED = 2 ** 30
 
 
 def in_own_computation(body):
-  """`body(lhs, rhs)` (inside a shard_map) as the branch of a conditional XLA keeps.
+  """`body(*operands)` (inside a shard_map; `body(lhs, rhs)` for one GEMM) as the branch
+  of a conditional XLA keeps.
 
   The predicate is `axis_index(a) < 2**30` for a mesh axis `a` the result varies over,
   true on every device; the other branch, never taken, returns zeros. A body whose
@@ -42,17 +43,17 @@ def in_own_computation(body):
   >>> np.asarray(g(np.eye(2, dtype=np.float32), np.ones((2, 2), np.float32))).tolist()
   [[1.0, 1.0], [1.0, 1.0]]
   """
-  def run(lhs, rhs):
-    out = jax.eval_shape(body, lhs, rhs)
+  def run(*operands):
+    out = jax.eval_shape(body, *operands)
     varying = varying_axes(out)
     if not varying:
-      return body(lhs, rhs)
+      return body(*operands)
 
-    def never_taken(lhs, rhs):
+    def never_taken(*operands):
       # the conditional's branches must agree on the result's type, varying axes included
       return lax.pcast(jnp.zeros(out.shape, out.dtype), varying, to="varying")
 
     taken = lax.axis_index(varying[0]) < _NEVER_REACHED
-    return lax.cond(taken, body, never_taken, lhs, rhs)
+    return lax.cond(taken, body, never_taken, *operands)
 
   return run

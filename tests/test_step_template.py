@@ -47,14 +47,21 @@ def test_default_plan_is_the_step_template_on_v4(layer):
   # the MLP's (w_down, w_up: 4x the attention projections' compute) in four
   assert [report.sites[i].module for i in ls[:2]] == ["w_down", "w_up"]
   assert {plans[i] for i in ls[:2]} == {("meshslice", "ls", 4, "all_to_all")}
-  assert {plans[i] for i in ls[2:]} == {("meshslice", "ls", 2, "all_to_all")}
+  assert plans[20] == ("meshslice", "ls", 2, "all_to_all")        # wo's input gradient
+  # the attention input gradients, summed into one: one reduce-scatter, unsliced
+  assert {plans[i] for i in ls[3:]} == {("collective", "ls", 1, "all_to_all")}
+  assert [report.sites[i].module for i in ls[3:]] == ["wv", "wk", "wq"]
+  for i in ls[3:]:
+    assert "one reduce-scatter with sites" in report.sites[i].note
+    assert "unsliced: the step template's terms of one shared sum" in report.sites[i].note
   rs = [i for i, p in plans.items() if p[1] == "rs"]
   assert rs == [15, 17, 19, 25, 27, 29]
   assert {plans[i] for i in rs} == {("collective", "rs", 1, "all_to_all")}
   assert {p for i, p in plans.items() if p[1] == "os"} == {("collective", "os", 1, None)}
   assert len(plans) == 23 and report.plan_counts(reduce_scatter=True) == {
       "collective os S=1": 11, "collective rs S=1 rs=all_to_all": 6,
-      "meshslice ls S=2 rs=all_to_all": 4, "meshslice ls S=4 rs=all_to_all": 2}
+      "collective ls S=1 rs=all_to_all": 3, "meshslice ls S=2 rs=all_to_all": 1,
+      "meshslice ls S=4 rs=all_to_all": 2}
   # compared with XLA's program for the site (explain's prediction sums both), but not
   # left to it: the template was measured against XLA's program on the compiled step
   assert all(s.xla_seconds is not None and "XLA's own program" in s.note
@@ -81,7 +88,8 @@ def test_the_mlp_sites_are_sliced_as_measured_at_256_chips(model):
   assert {s.rule for s in report.rewritten} == {"step_template"}
   sliced = {(s.module, s.direction, s.dataflow): s.ksplit
             for s in report.rewritten if s.algorithm == "meshslice"}
-  attention = {(m, "backward", "ls"): 2 for m in ("wq", "wk", "wv", "wo")}
+  # wq, wk, wv's input gradients share one reduce-scatter, unsliced
+  attention = {("wo", "backward", "ls"): 2}
   mlp = {("w_down", "forward", "ls"): 4, ("w_up", "backward", "ls"): 4,
          ("w_down", "backward", "os"): 2}
   if model == "megatron":
@@ -247,6 +255,13 @@ def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla()
   kept = {s.module: (s.algorithm, s.ksplit) for s in report.sites if s.summed and s.rewritten}
   assert kept == {"layers/wq": ("meshslice", 2), "layers/w_gate": ("meshslice", 4),
                   "layers/w_up": ("meshslice", 4)}
+  # the gated MLP's two terms, planned alike, share one reduce-scatter and keep their four
+  # slices (only the template's sites sliced in two run unsliced when shared)
+  mlp = [s for s in report.sites if s.summed and s.module in ("layers/w_gate", "layers/w_up")]
+  assert all("one reduce-scatter with sites #" in s.note and "unsliced" not in s.note
+             for s in mlp)
+  query = next(s for s in report.sites if s.summed and s.module == "layers/wq")
+  assert "one reduce-scatter with" not in query.note     # its fellow terms went to XLA
   # the query's term unsliced (as MaxText's, gathering its heads, was) would be left too:
   # its collective takes 1.7x its compute, over the unsliced threshold (1.4x)
   from meshslice.planning import _term_left_to_xla
