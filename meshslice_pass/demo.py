@@ -71,8 +71,8 @@ def plan_at_scale(cfg: ModelConfig = GPT3_LAYER, mesh_shape=(64, 4), echo=print,
   Example:
     >>> report = plan_at_scale(echo=lambda line: None)        # doctest: +SKIP
     >>> report.plan_counts()                                   # doctest: +SKIP
-    {'collective os S=1': 10, 'collective rs S=1': 6, 'meshslice ls S=2': 4,
-     'meshslice ls S=4': 2, 'meshslice os S=2': 1}
+    {'collective os S=1': 10, 'collective rs S=1': 6, 'collective ls S=1': 3,
+     'meshslice ls S=2': 1, 'meshslice ls S=4': 2, 'meshslice os S=2': 1}
   """
   options.setdefault("profile", "tpu-v4")
   generation = backend_flags.profile_generation(options["profile"])
