@@ -54,9 +54,9 @@ def build_meshslice(geometry: GemmGeometry, ksplit: int, *, scatter: str = "redu
   if geometry.dataflow == "os":
     return lambda lhs, rhs: _output_stationary(geometry, ksplit, block, lhs, rhs)
   if geometry.dataflow == "ls":
-    return lambda lhs, rhs: _operand_stationary(geometry, ksplit, block, lhs, rhs,
+    return lambda lhs, rhs: _operand_stationary(geometry, ksplit, block, [(lhs, rhs)],
                                                 moving_is_lhs=False, scatter=scatter)
-  return lambda lhs, rhs: _operand_stationary(geometry, ksplit, block, lhs, rhs,
+  return lambda lhs, rhs: _operand_stationary(geometry, ksplit, block, [(lhs, rhs)],
                                               moving_is_lhs=True, scatter=scatter)
 
 
@@ -131,17 +131,17 @@ def build_meshslice_sum(geometry: GemmGeometry, ksplit: int, terms: int, *,
       raise ValueError(f"build_meshslice_sum: expected {2 * terms} operands "
                        f"({terms} lhs, rhs pairs), got {len(operands)}")
     pairs = list(zip(operands[::2], operands[1::2]))
-    return _operand_stationary(geometry, ksplit, block, pairs=pairs,
+    return _operand_stationary(geometry, ksplit, block, pairs,
                                moving_is_lhs=geometry.dataflow == "rs", scatter=scatter)
   return body
 
 
-def _operand_stationary(g: GemmGeometry, ksplit, block, lhs=None, rhs=None, *,
-                        moving_is_lhs, scatter="reduce_scatter", pairs=None):
+def _operand_stationary(g: GemmGeometry, ksplit, block, pairs, *, moving_is_lhs,
+                        scatter="reduce_scatter"):
   """ls (rhs moves over row, partials scatter over col) and rs (lhs moves over col,
-  partials scatter over row) are the same loop with the roles swapped. `pairs`: several
-  (lhs, rhs) terms whose partial products are summed before each reduce-scatter."""
-  pairs = [(lhs, rhs)] if pairs is None else pairs
+  partials scatter over row) are the same loop with the roles swapped. `pairs`: the
+  (lhs, rhs) terms, one for a GEMM, several for a sum whose partial products are added
+  before each reduce-scatter."""
   lhs, rhs = pairs[0]
   acc_dtype = accumulation_dtype(g, lhs.dtype, rhs.dtype)
   wire_dtype = reduction_dtype(g, lhs.dtype, rhs.dtype)
@@ -169,10 +169,9 @@ def _operand_stationary(g: GemmGeometry, ksplit, block, lhs=None, rhs=None, *,
 
   def multiply(m_slices):
     # the terms' partial products summed in the accumulation dtype, sent in the wire's
-    total = None
-    for m_slice, (lhs, rhs) in zip(m_slices, pairs):
-      part = multiply_term(m_slice, lhs, rhs)
-      total = part if total is None else total + part
+    total = multiply_term(m_slices[0], *pairs[0])
+    for m_slice, (lhs, rhs) in zip(m_slices[1:], pairs[1:]):
+      total = total + multiply_term(m_slice, lhs, rhs)
     return total.astype(wire_dtype)
 
   def scatter_slice(partial):
