@@ -244,7 +244,7 @@ def _share_reductions(jaxpr, here, sites, ctx):
     group = [sites[here[j]] for j in terms]
     unslice = all(s.rule == pins.STEP_TEMPLATE_RULE and s.ksplit == 2
                   and _unpinned_plan(ctx, s) for s in group)
-    for j, site in zip(terms, group):
+    for position, (j, site) in enumerate(zip(terms, group)):
       others = ", ".join(f"#{s.index}" for s in group if s is not site)
       note = (f"one reduce-scatter with sites {others}: their results are only summed, "
               "so the partial products are added before it")
@@ -252,7 +252,22 @@ def _share_reductions(jaxpr, here, sites, ctx):
         site = dataclasses.replace(site, algorithm="collective", ksplit=1,
                                    block=site.geometry.block_size(1))
         note = _join(note, _SHARED_TEMPLATE_NOTE)
+      if position and site.predicted_seconds is not None:
+        # the first term sends the sum's reduce-scatter; the others' is not sent
+        site = dataclasses.replace(site, predicted_seconds=max(
+            site.predicted_seconds - _reduce_scatter_seconds(site), 0.0))
       sites[here[j]] = dataclasses.replace(site, note=_join(site.note, note))
+
+
+def _reduce_scatter_seconds(site) -> float:
+  """The per-site model's time of `site`'s reduce-scatter of its whole partial product
+  (`costmodel.timing.movements`: an ls / rs site's second movement)."""
+  problem, profile = site.problem, site.profile
+  _, scattered = costmodel.timing.movements(problem, costing.model_dataflow(site.dataflow))
+  if scattered.size <= 1:
+    return 0.0
+  return float(costmodel.timing.collective_time(profile, scattered.kind, scattered.dim,
+                                                scattered.size, scattered.shard_bytes))
 
 
 def _unpinned_plan(ctx, site) -> bool:

@@ -54,6 +54,14 @@ def test_default_plan_is_the_step_template_on_v4(layer):
   for i in ls[3:]:
     assert "one reduce-scatter with sites" in report.sites[i].note
     assert "unsliced: the step template's terms of one shared sum" in report.sites[i].note
+  # priced as sent: the first term carries the sum's reduce-scatter, the others none (the
+  # three terms are the same problem, so they would be priced alike otherwise)
+  from meshslice.planning import _reduce_scatter_seconds
+  first, *others = (report.sites[i] for i in ls[3:])
+  assert _reduce_scatter_seconds(first) > 0
+  for s in others:
+    assert s.predicted_seconds == pytest.approx(
+        first.predicted_seconds - _reduce_scatter_seconds(first), rel=1e-9)
   rs = [i for i, p in plans.items() if p[1] == "rs"]
   assert rs == [15, 17, 19, 25, 27, 29]
   assert {plans[i] for i in rs} == {("collective", "rs", 1, "all_to_all")}
