@@ -47,10 +47,8 @@ def handler(*kinds):
 class Emitter:
   """Evaluates a traced program with the planned sites rewritten."""
 
-  def __init__(self, sites, mesh, nest_sites=True, share_reductions=True):
+  def __init__(self, sites, mesh, nest_sites=True):
     self.mesh = mesh
-    # terms of one sum planned alike share one reduce-scatter (`rewrite_sum`)
-    self.shares_reductions = share_reductions
     on_cpu = target_platform(mesh) == "cpu"
     # The weight-gradient tie (`_gathers_wait`): by default on the CPU compiler only
     # (see `_holds_gathers_back`); a site's `hold_gathers` (option or pin) decides it.
@@ -226,18 +224,20 @@ class Emitter:
     return self._as_original(site, eqn, out)
 
   def _shared_sums(self, jaxpr, prefix) -> dict:
-    """`matmul_sums.shared_reductions` of `jaxpr` over its planned sites: terms alike in
-    plan and operand types, of an algorithm and dataflow with a summed form, typed in
-    the result layout the site returns (not Explicit mode's retyped results)."""
+    """The sums of `jaxpr` whose terms planning said share one reduce-scatter
+    (`Site.shared_reduction`), found again here (`matmul_sums.shared_reductions`) with
+    the emitter's own plan key, in the result layout the sites return (not Explicit
+    mode's retyped results)."""
     def key_of(i):
       site = self.plans.get(prefix + (i,))
-      if site is None or not self.shares_reductions or not summable(site.algorithm,
-                                                                   site.geometry):
+      if site is None or not site.shared_reduction or not summable(site.algorithm,
+                                                                  site.geometry):
         return None
       eqn = jaxpr.eqns[i]
       if any(_is_explicit(getattr(v.aval, "sharding", None)) for v in eqn.outvars):
         return None
-      return self._plan_key(site) + tuple((v.aval.shape, v.aval.dtype) for v in eqn.invars)
+      return ((site.shared_reduction,) + self._plan_key(site)
+              + tuple((v.aval.shape, v.aval.dtype) for v in eqn.invars))
     return shared_reductions(jaxpr, key_of)
 
   def subjaxpr(self, closed_or_open, prefix_key):

@@ -102,7 +102,9 @@ class Options:
       dv Wv^T) and which are planned alike (the same ls or rs plan, operand types and
       layouts) add their partial products on each device and send one reduce-scatter
       a slice for the sum, as XLA's own program does for such a sum; the report notes
-      it on each of them. False: one reduce-scatter a term.
+      it on each of them. Not where the compiler flags offload reduce-scatters to the
+      SparseCore (tpu7x's default, v5p / v6e with the offload flags): there they run
+      beside the TensorCore's work already. False: one reduce-scatter a term.
     compiler_terms: what compiled TPU programs add to the analytic model per site
       (`meshslice.costmodel.xla_baseline.CompilerTerms`: dot efficiency, per-slice
       overheads, which sliced collectives overlap, windowed einsum's cost). None

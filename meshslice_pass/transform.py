@@ -140,8 +140,7 @@ class Transformed:
         # Called with tracers, the program may be transformed further (vmap, grad): it
         # is emitted without the CPU-only nesting of sites (`Emitter`), which JAX 0.10.2
         # cannot differentiate under vmap(spmd_axis_name=...).
-        emitter = Emitter(planned.sites, planned.mesh, nest_sites=not outer_traced,
-                          share_reductions=self._options.share_reductions)
+        emitter = Emitter(planned.sites, planned.mesh, nest_sites=not outer_traced)
         outs = emitter.run(planned.closed, *planned.consts, *leaves)
       return jax.tree.unflatten(planned.out_tree, list(outs))
 
