@@ -70,8 +70,10 @@ def test_transformer_bench(tmp_path):
   assert jit["rewritten"] == 0 and coll["rewritten"] > 0
   assert set(sliced["plans"]) and all(p.split()[0] == "meshslice" and p.endswith("S=2")
                                       for p in sliced["plans"])
-  # plain jit is predicted as the collective algorithm
-  assert math.isclose(jit["predicted_step_s"], coll["predicted_step_s"], rel_tol=1e-9)
+  # plain jit is predicted as the collective algorithm, a reduce-scatter a site; the
+  # collective plan shares one among the attention input gradients' sum (two fewer)
+  assert any("one reduce-scatter with sites" in n for n in coll["notes"])
+  assert coll["predicted_step_s"] < jit["predicted_step_s"]
   # S=2 issues more, smaller collectives than S=1
   assert (sum(sliced["collective_counts"].values())
           > sum(coll["collective_counts"].values()))
