@@ -32,16 +32,7 @@ def summed_matmuls(jaxpr) -> frozenset:
     >>> sorted(summed_matmuls(jax.make_jaxpr(lambda a, b: a + a @ b)(x, x).jaxpr))
     []
   """
-  producer, uses = {}, {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.outvars:
-      producer[v] = i
-    for v in eqn.invars:
-      if not is_literal(v):
-        uses[v] = uses.get(v, 0) + 1
-  for v in jaxpr.outvars:
-    if not is_literal(v):
-      uses[v] = uses.get(v, 0) + 1
+  producer, uses = _producers_and_uses(jaxpr)
 
   def sole(v):
     # a value used elsewhere too is needed whole (a residual stream): no term of a sum
@@ -103,16 +94,7 @@ def shared_reductions(jaxpr, key_of) -> dict:
     >>> shared_reductions(jax.make_jaxpr(lambda a, b: a @ b + a)(x, x).jaxpr, lambda i: 0)
     {}
   """
-  producer, uses = {}, {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.outvars:
-      producer[v] = i
-    for v in eqn.invars:
-      if not is_literal(v):
-        uses[v] = uses.get(v, 0) + 1
-  for v in jaxpr.outvars:
-    if not is_literal(v):
-      uses[v] = uses.get(v, 0) + 1
+  producer, uses = _producers_and_uses(jaxpr)
 
   def direct_source(v):
     # the equation whose result v is, when only the sum reads it
@@ -144,3 +126,19 @@ def shared_reductions(jaxpr, key_of) -> dict:
         and len({jaxpr.eqns[j].outvars[0].aval.dtype for j in dots + [root]}) == 1):
       shared[root] = (tuple(sorted(dots)), tuple(sorted(adds)))
   return shared
+
+
+def _producers_and_uses(jaxpr) -> tuple[dict, dict]:
+  """({variable: index of the equation that produces it}, {variable: how many equations
+  and outputs read it})."""
+  producer, uses = {}, {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.outvars:
+      producer[v] = i
+    for v in eqn.invars:
+      if not is_literal(v):
+        uses[v] = uses.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if not is_literal(v):
+      uses[v] = uses.get(v, 0) + 1
+  return producer, uses
