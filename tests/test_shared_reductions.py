@@ -148,13 +148,15 @@ def test_summed_body_equals_the_sum_of_products():
 
 def test_not_shared_where_reduce_scatters_are_offloaded():
   """Under SparseCore offload (tpu7x's default flags) the reduce-scatters already run
-  beside the TensorCore's work: the terms keep one a term (a Llama-shaped step on tpu7x
-  compiled 0.2 % slower shared). Without offload (v4's flags) they share. Planning only."""
+  beside the TensorCore's work: each term keeps its own (a Llama-shaped step on tpu7x
+  compiled 0.2 % slower shared). Without offload (v4's flags) they share. Planning only.
+  The mesh's axes are Auto on every jax (0.12 makes an AbstractMesh's default Explicit,
+  which the GPT step's matmuls reject)."""
   pytest.importorskip("libtpu")
-  from jax.sharding import AbstractMesh
+  from jax.sharding import AbstractMesh, AxisType
   from meshslice import aot
   cfg = gpt.ModelConfig()
-  am = AbstractMesh((2, 4), ("x", "y"))
+  am = AbstractMesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
   step = gpt.make_step(cfg, am, donate=False)
   args = gpt.abstract_inputs(cfg, am)
   notes = {}
