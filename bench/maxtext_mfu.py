@@ -1,11 +1,15 @@
-"""Anchor the TPU simulator in real hardware: MaxText's published v5p MFU, simulated.
+"""Anchor the TPU simulator in real hardware: MaxText's published v5p and v4 MFU, simulated.
 
 MaxText publishes the MFU it measured on v5p for the dense configs it ships
 (`configs/v5p/README.md`, added in MaxText commit 76bd53b0f, 2023-12-15; the same figures
 are in today's `src/maxtext/configs/tpu/v5p/README.md`). Those are the only real-TPU
 step times we have for 2D-sharded (fsdp x tensor) transformer training, so this script
 compiles each of those configs ahead of time, as published, and puts the simulated MFU
-beside the measured one:
+beside the measured one. MaxText's v4 table (README of 2023-04-27, today in
+`configs/v4/README.md`) gives two more rows (`PUBLISHED_V4`: 22B on v4-128, 52B on
+v4-384, pure fsdp, as that commit ran them): one mesh axis, nothing for the pass, but
+the only real-hardware check of the v4 simulation, where the project's headline
+figures are.
 
 - the model of that commit's `base.yml` scaled by `global_parameter_scale` (its
   `get_individual_scales` rule: head count and MLP width, then embedding, then layers,
@@ -21,7 +25,7 @@ beside the measured one:
 Besides those seven, `CONFIGS` holds configs MaxText publishes no MFU for, run the same
 way to see what the pass does with them (no residual is computed): a MaxText model by
 its `model_name` (e.g. llama2-70b) on another generation, with fsdp x tensor sharding.
-Those need `--preset` (this script knows MaxText's flags for v5p only).
+Those need `--preset` (this script knows MaxText's flags for its published rows only).
 
 The scanned decoder is compiled with `--layers` layers: every `while` of the program that
 runs that many trips (the forward and backward scans) is given the config's layer count
@@ -36,7 +40,7 @@ Each program is read under every model the project has (`bench/tpu_models.py`):
 
 MFU as MaxText computed it when it published (train.py at 76bd53b0f): per device and step,
 6 x parameters x tokens + 6 x heads x layers x head_dim x seq^2 x batch (causal
-attention: half of 12), over step time x 459 TFLOP/s (v5p bf16 peak per chip).
+attention: half of 12), over step time x the chip's bf16 peak (`PEAK_FLOPS`: v5p 459, v4 275 TFLOP/s).
 
 Runs in MaxText's virtual environment (docs/maxtext.md), one process per row (libtpu reads
 its flags once per process); the compiled HLO, the scheduler's log and the devices'
@@ -57,8 +61,8 @@ import time
 
 from absl import app, flags
 
-_ROWS = flags.DEFINE_list("rows", [], "rows to compile (default: the seven published "
-                         "ones); PUBLISHED and CONFIGS below")
+_ROWS = flags.DEFINE_list("rows", [], "rows to compile (default: the nine published "
+                         "ones); PUBLISHED, PUBLISHED_V4 and CONFIGS below")
 _LAYERS = flags.DEFINE_integer("layers", 3, "decoder layers compiled (trips restored)")
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/maxtext_mfu", "where programs and JSON go")
 _ANALYZE = flags.DEFINE_bool("analyze", False, "re-simulate saved programs; compile none")
@@ -66,7 +70,7 @@ _WORKER = flags.DEFINE_string("worker", "", "internal: compile this one row here
 _DENSE = flags.DEFINE_bool("dense", False, "also turn XLA's windowed einsum off (the "
                            "programs are saved as <row>_dense)")
 _PRESET = flags.DEFINE_string("preset", "", "compile under these meshslice flag presets for "
-                              "v5p instead of MaxText's 2023 flags, e.g. 'dense,async' "
+                              "the row's generation instead of MaxText's 2023 flags, e.g. 'dense,async' "
                               "(`aot.preset_flags`; programs saved as <row>_<preset>...)")
 _MESHSLICE = flags.DEFINE_bool("meshslice", False, "compile meshslice.transform(step), the "
                                "default plan, instead of MaxText's step (<row>[_dense]"
@@ -107,6 +111,13 @@ class Published:
   generation: str = "v5p"
   model: str = ""            # MaxText's model_name, when scale is 0
   seq: int = 2048
+  # the script's LIBTPU_INIT_ARGS; None: MaxText publishes none for this row (CONFIGS)
+  maxtext_flags: str | None = None
+  # the script's explicit base.yml dims (emb, heads, MLP, layers), when scale is 0 and no
+  # model is named (2023 base.yml otherwise: head dim 256, ReLU, tied 32768 vocabulary)
+  base_dims: tuple = ()
+  attention: str = "flash"   # MaxText's attention kernel
+  attention_flops: bool = True   # whether the published TFLOP/s counted attention
 
   @property
   def chips(self) -> int:
@@ -117,15 +128,31 @@ class Published:
     return f"tpu-{self.generation}"
 
 
-PUBLISHED = (
-    Published("32b", "v5p-128", 32, 8, 4, "minimal", 71.47, 328),
-    Published("64b", "v5p-128", 64, 4, 4, "minimal", 70.31, 323),
-    Published("128b", "v5p-256", 128, 2, 8, "minimal", 68.68, 315),
-    Published("256b", "v5p-1024", 256, 2, 8, "minimal", 67.09, 308),
-    Published("512b", "v5p-1024", 512, 2, 16, "full", 63.99, 294),
-    Published("1024b-2048", "v5p-2048", 1024, 2, 16, "full", 55.35, 254),
-    Published("1024b-4096", "v5p-4096", 1024, 2, 16, "full", 64.80, 297),
-)
+PUBLISHED = tuple(Published(*fields, maxtext_flags=FLAGS_2023) for fields in (
+    ("32b", "v5p-128", 32, 8, 4, "minimal", 71.47, 328),
+    ("64b", "v5p-128", 64, 4, 4, "minimal", 70.31, 323),
+    ("128b", "v5p-256", 128, 2, 8, "minimal", 68.68, 315),
+    ("256b", "v5p-1024", 256, 2, 8, "minimal", 67.09, 308),
+    ("512b", "v5p-1024", 512, 2, 16, "full", 63.99, 294),
+    ("1024b-2048", "v5p-2048", 1024, 2, 16, "full", 55.35, 254),
+    ("1024b-4096", "v5p-4096", 1024, 2, 16, "full", 64.80, 297),
+))
+# The single-slice v4 rows MaxText published on 2023-04-27 (README commit 281e04bf3, the
+# table later moved to configs/v4/README.md unchanged), as that commit's 1xv4-128.sh and
+# 1xv4-384.sh ran them: fsdp over every chip (tensor 1), full remat, per-device batch 16
+# and 10, and that commit's base.yml (sequence 1024, head dim 256, ReLU, tied 32768
+# vocabulary; `scale` times its 2048 emb / 8 heads / 8192 MLP / 16 layers, the 52B
+# script with its own bases). MaxText had no flash attention then, and its train.py
+# counted 6 x parameters x tokens only (no attention FLOPs) in the TFLOP/s it printed.
+FLAGS_V4_2023 = "--xla_enable_async_all_gather=true TPU_MEGACORE=MEGACORE_DENSE"
+PUBLISHED_V4 = tuple(
+    Published(name, topology, 0, batch, 1, "full", mfu, tflops, generation="v4",
+              seq=1024, maxtext_flags=FLAGS_V4_2023, base_dims=base_dims,
+              attention="dot_product", attention_flops=False)
+    for name, topology, batch, mfu, tflops, base_dims in (
+        ("22b-v4", "v4-128", 16, 56.7, 156, (6144, 24, 24576, 48)),
+        ("52b-v4", "v4-384", 10, 56.0, 154, (12288, 32, 49152, 32)),
+    ))
 # MaxText configs without a published MFU: what the pass does on them (docs/benchmarks.md,
 # "MaxText configs on v4"). Llama2-70B as MaxText's llama2_70b_4096 recipe runs it
 # (sequence 4096, batch 4 per device, full remat) but with tensor parallelism 4 beside
@@ -143,7 +170,7 @@ CONFIGS = (
     Published("llama3.1-70b-v4", "v4-512", 0, 2, 4, "full", None, None, generation="v4",
               model="llama3.1-70b", seq=8192),
 )
-BY_NAME = {r.name: r for r in PUBLISHED + CONFIGS}
+BY_NAME = {r.name: r for r in PUBLISHED + PUBLISHED_V4 + CONFIGS}
 SEQ = 2048
 VOCAB = 32768
 
@@ -167,9 +194,15 @@ def dims(scale: int) -> dict:
 
 
 def model_dims(row: Published) -> dict:
-  """The row's model: `dims` of its scale (the 2023 model: key / value heads as many as
-  query heads, ReLU MLP, tied embedding) or, for a named model, `MODELS`'."""
-  return MODELS[row.model] if row.model else dims(row.scale)
+  """The row's model: `dims` of its scale or the script's explicit `base_dims` (the 2023
+  model: key / value heads as many as query heads, ReLU MLP, tied embedding) or, for a
+  named model, `MODELS`'."""
+  if row.model:
+    return MODELS[row.model]
+  if row.base_dims:
+    emb, heads, mlp, layers = row.base_dims
+    return {"emb": emb, "heads": heads, "head_dim": 256, "mlp": mlp, "layers": layers}
+  return dims(row.scale)
 
 
 def params(d: dict) -> int:
@@ -183,10 +216,13 @@ def params(d: dict) -> int:
 
 
 def flops_per_device(row: Published) -> float:
-  """MaxText's training FLOPs per device per step at 76bd53b0f (train.py)."""
+  """MaxText's training FLOPs per device per step at 76bd53b0f (train.py); at the v4
+  rows' commit, the weights' term alone."""
   d = model_dims(row)
   tokens = row.seq * row.per_device_batch
   weights = 6 * params(d) * tokens
+  if not row.attention_flops:
+    return weights
   attention = (12 * d["heads"] * d["layers"] * d["head_dim"] * row.seq**2
                * row.per_device_batch)
   return weights + attention / 2
@@ -197,7 +233,7 @@ def overrides(row: Published, layers: int) -> dict:
     model = {"model_name": row.model, "override_model_config": "True",
              "base_num_decoder_layers": layers}
   else:
-    d = dims(row.scale)
+    d = model_dims(row)
     model = {
         "decoder_block": "default", "global_parameter_scale": "1",
         "base_emb_dim": d["emb"], "base_num_query_heads": d["heads"],
@@ -208,7 +244,7 @@ def overrides(row: Published, layers: int) -> dict:
       **model,
       "per_device_batch_size": row.per_device_batch, "remat_policy": row.remat,
       "ici_fsdp_parallelism": "-1", "ici_tensor_parallelism": row.tensor,
-      "max_target_length": row.seq, "use_iota_embed": "True", "attention": "flash",
+      "max_target_length": row.seq, "use_iota_embed": "True", "attention": row.attention,
       "dataset_type": "synthetic", "steps": "1", "tokenizer_path": "",
       "enable_checkpointing": "False", "skip_jax_distributed_system": "True",
       "enable_goodput_recording": "False", "jax_cache_dir": "",
@@ -233,7 +269,7 @@ def compile_row(row: Published, layers: int, out_dir: str, dense: bool = False,
   `transform_options`."""
   from meshslice.backend_flags import DENSE_FLAGS, preset_flags
   from meshslice.costmodel import tpu_schedule
-  base = " ".join(preset_flags(preset, row.generation)) if preset else FLAGS_2023
+  base = " ".join(preset_flags(preset, row.generation)) if preset else row.maxtext_flags
   os.environ["LIBTPU_INIT_ARGS"] = " ".join((base,) + (DENSE_FLAGS if dense else ()))
   os.environ.update(tpu_schedule.SCHEDULER_LOG_ENV)    # libtpu's scheduler totals
   here = os.path.dirname(os.path.abspath(__file__))
@@ -298,6 +334,21 @@ def with_trip_count(schedule, compiled_layers: int, layers: int):
   return restored, found
 
 
+def profile_mesh_shape(mesh: dict) -> tuple[int, int]:
+  """The (dim 0, dim 1) mesh shape the alpha-beta profile is derived for. The reader
+  puts a collective whose group is consecutive device ids on profile dim 1: tensor's
+  groups when tensor > 1, but fsdp's when it is the only axis (the v4 rows), so then
+  fsdp is dim 1 (as dim 0, its all-reduces over 64 chips were priced on one torus dim's
+  links instead of the three the axis spans: 48.1 % MFU for 22B instead of 55.9 %).
+
+  Example:
+    >>> profile_mesh_shape({"fsdp": 16, "tensor": 4}), profile_mesh_shape({"fsdp": 64})
+    ((16, 4), (1, 64))
+  """
+  fsdp, tensor = mesh.get("fsdp", 1), mesh.get("tensor", 1)
+  return (fsdp, tensor) if tensor > 1 else (1, fsdp)
+
+
 def analyze_row(name: str, out_dir: str) -> dict:
   """Every model's step and MFU for one saved program."""
   from meshslice.costmodel import profile_for_mesh, routed_links, tpu_schedule
@@ -310,7 +361,7 @@ def analyze_row(name: str, out_dir: str) -> dict:
     text = f.read()
   profile = row.profile
   base = load_profile(profile)
-  shape = (meta["mesh"].get("fsdp", 1), meta["mesh"].get("tensor", 1))
+  shape = profile_mesh_shape(meta["mesh"])
   schedule, loops = with_trip_count(tpu_schedule.read_schedule(text, chip=profile),
                                     meta["compiled_layers"], meta["layers"])
   if loops == 0:
@@ -418,8 +469,8 @@ def main(argv):
   unknown = [r for r in rows if r not in BY_NAME]
   if unknown:
     raise app.UsageError(f"--rows: unknown {unknown}; known: {', '.join(BY_NAME)}")
-  # MaxText's flags are known for v5p only (FLAGS_2023); checked for a worker's row too
-  unflagged = [r for r in rows if BY_NAME[r].generation != "v5p"]
+  # MaxText's flags are known for its published rows only; checked for a worker's row too
+  unflagged = [r for r in rows if BY_NAME[r].maxtext_flags is None]
   if unflagged and not _PRESET.value and not _ANALYZE.value:
     raise app.UsageError(f"--rows: {', '.join(unflagged)} need --preset: MaxText "
                          "publishes no flags for their generation here (e.g. "
@@ -436,7 +487,7 @@ def main(argv):
     compile_row(BY_NAME[_WORKER.value], _LAYERS.value, _OUT_DIR.value, _DENSE.value,
                 _MESHSLICE.value, _PRESET.value, options, _LABEL.value)
     return
-  names = _ROWS.value or [r.name for r in PUBLISHED]
+  names = _ROWS.value or [r.name for r in PUBLISHED + PUBLISHED_V4]
   if not _ANALYZE.value:
     for name in names:
       began = time.perf_counter()

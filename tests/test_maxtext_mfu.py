@@ -14,6 +14,32 @@ def test_published_rows_agree_with_their_own_tflops(bench_script):
   assert [r.chips for r in m.PUBLISHED] == [64, 64, 128, 512, 512, 1024, 2048]
 
 
+def test_published_v4_rows_are_maxtexts_april_2023_runs(bench_script):
+  """The v4 rows: TFLOP/s over v4's 275 is the MFU, the names say the parameter count of
+  the scripts' dims, sequence 1024, and the FLOPs are 6 x params x tokens (that commit's
+  train.py counted no attention), so the implied step is 13.8 s for 22B on 64 chips."""
+  m = bench_script("maxtext_mfu")
+  rows = {r.name: r for r in m.PUBLISHED_V4}
+  assert sorted(rows) == ["22b-v4", "52b-v4"]
+  for row in rows.values():
+    assert row.tflops / 275 * 100 == pytest.approx(row.mfu, abs=0.1), row.name
+    assert row.maxtext_flags == m.FLAGS_V4_2023 and row.tensor == 1
+    assert row.attention == "dot_product" and row.seq == 1024
+    d = m.model_dims(row)
+    assert d["head_dim"] == 256
+    assert m.params(d) / 1e9 == pytest.approx(int(row.name[:2]), rel=0.01), row.name
+    assert m.flops_per_device(row) == 6 * m.params(d) * 1024 * row.per_device_batch
+    assert m.BY_NAME[row.name] is row
+  assert [rows[n].chips for n in ("22b-v4", "52b-v4")] == [64, 192]
+  r22 = rows["22b-v4"]
+  assert m.flops_per_device(r22) / (r22.mfu / 100 * 275e12) == pytest.approx(13.84, abs=0.01)
+  # a one-axis mesh's collectives (consecutive ids: profile dim 1) are priced on dim 1
+  assert m.profile_mesh_shape({"fsdp": 64}) == (1, 64)
+  assert m.profile_mesh_shape({"fsdp": 16, "tensor": 4}) == (16, 4)
+  assert m.overrides(r22, 3)["attention"] == "dot_product"
+  assert m.overrides(r22, 3)["base_emb_dim"] == 6144
+
+
 def test_model_dims_follow_maxtext_2023_scaling_rule(bench_script):
   """Heads and MLP double first, then the embedding, then layers (get_individual_scales),
   from 2560 emb / 8 heads / 8192 MLP / 16 layers; the names say the parameter count."""
