@@ -334,21 +334,6 @@ def with_trip_count(schedule, compiled_layers: int, layers: int):
   return restored, found
 
 
-def profile_mesh_shape(mesh: dict) -> tuple[int, int]:
-  """The (dim 0, dim 1) mesh shape the alpha-beta profile is derived for. The reader
-  puts a collective whose group is consecutive device ids on profile dim 1: tensor's
-  groups when tensor > 1, but fsdp's when it is the only axis (the v4 rows), so then
-  fsdp is dim 1 (as dim 0, its all-reduces over 64 chips were priced on one torus dim's
-  links instead of the three the axis spans: 48.1 % MFU for 22B instead of 55.9 %).
-
-  Example:
-    >>> profile_mesh_shape({"fsdp": 16, "tensor": 4}), profile_mesh_shape({"fsdp": 64})
-    ((16, 4), (1, 64))
-  """
-  fsdp, tensor = mesh.get("fsdp", 1), mesh.get("tensor", 1)
-  return (fsdp, tensor) if tensor > 1 else (1, fsdp)
-
-
 def analyze_row(name: str, out_dir: str) -> dict:
   """Every model's step and MFU for one saved program."""
   from meshslice.costmodel import profile_for_mesh, routed_links, tpu_schedule
@@ -361,7 +346,9 @@ def analyze_row(name: str, out_dir: str) -> dict:
     text = f.read()
   profile = row.profile
   base = load_profile(profile)
-  shape = profile_mesh_shape(meta["mesh"])
+  # (fsdp, tensor); a one-axis mesh as (1, fsdp) (`link_mesh_shape`: the v4 rows)
+  shape = tpu_schedule.link_mesh_shape((meta["mesh"].get("fsdp", 1),
+                                        meta["mesh"].get("tensor", 1)))
   schedule, loops = with_trip_count(tpu_schedule.read_schedule(text, chip=profile),
                                     meta["compiled_layers"], meta["layers"])
   if loops == 0:

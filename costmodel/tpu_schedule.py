@@ -13,7 +13,7 @@ The code lives in three modules split by job; every name is re-exported here, so
   tpu_read      scheduled HLO as CompiledOp / Loop / CompiledSchedule records, Summary,
                 and the chip table (CLOCK_HZ, FLOPS_PER_CYCLE)
   tpu_simulate  the step-time walk: Simulation, Wait, collective_seconds,
-                axis_torus_dims
+                axis_torus_dims, link_mesh_shape
   libtpu_log    libtpu's latency-hiding scheduler statistics: SchedulerTotals,
                 read_scheduler_log, scheduler_*, capture_stderr, SCHEDULER_LOG_ENV
 
@@ -35,7 +35,8 @@ from .libtpu_log import (SCHEDULER_LOG_ENV, SchedulerTotals, capture_stderr, rea
                          scheduler_cycles, scheduler_entry, scheduler_loop_cycles)
 from .tpu_read import (CLOCK_HZ, FLOPS_PER_CYCLE, KINDS, CompiledOp, CompiledSchedule, Entry,
                        Loop, Summary, parse_module, read_schedule, summarize)
-from .tpu_simulate import Simulation, Wait, axis_torus_dims, collective_seconds, simulate
+from .tpu_simulate import (Simulation, Wait, axis_torus_dims, collective_seconds,
+                           link_mesh_shape, simulate)
 # private helpers the reader's tests check here
 from .tpu_read import _Reader, _permute_link, _strategy, _strategy_cores  # noqa: F401
 
@@ -56,6 +57,7 @@ def __getattr__(name: str):
 __all__ = ["CLOCK_HZ", "COLLECTIVES", "FLOPS_PER_CYCLE", "KINDS", "SCHEDULER_LOG_ENV",
            "CompiledOp", "CompiledSchedule", "Entry", "Loop",
            "SchedulerTotals", "Simulation", "Summary", "Wait", "axis_torus_dims",
+           "link_mesh_shape",
            "capture_stderr", "collective_seconds", "parse_module", "read_schedule",
            "read_scheduler_log", "scheduler_cycles", "scheduler_entry",
            "scheduler_loop_cycles", "simulate", "summarize"]

@@ -425,6 +425,8 @@ def analyze(compiled, profile: str = "tpu-v4", *, compile_s: float = 0.0,
   from meshslice.costmodel import profile_for_mesh, tpu_schedule
   from meshslice.costmodel.profiles import load_profile
   base = load_profile(profile)
+  if mesh_shape is not None:       # a (rows, 1) mesh's collectives are read as dim 1's
+    mesh_shape = tpu_schedule.link_mesh_shape(mesh_shape)
   prof = base if mesh_shape is None else profile_for_mesh(base, tuple(mesh_shape))
   text = compiled.as_text()
   schedule = tpu_schedule.read_schedule(text, chip=base.name)

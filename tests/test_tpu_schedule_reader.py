@@ -665,3 +665,37 @@ def test_opposite_permutes_move_at_once_on_full_duplex_links(second, step):
   sim = ts.simulate(text, "tpu-v4")
   assert sim.step_s == pytest.approx(step)
   assert sim.collective_s == pytest.approx(2 * CP1)
+
+
+def test_a_one_axis_mesh_is_priced_on_the_links_its_axis_spans():
+  """Pure fsdp (a 64 x 1 mesh): every collective's group is consecutive partitions, so
+  the reader files it under profile dim 1. `aot.analyze` reads such a mesh as (1, 64),
+  so dim 1 is the 64-chip axis (three torus dims of v4:4x4x4), not the size-1 axis: as
+  (64, 1) a 64 MiB all-reduce was priced on one torus dim's links, several times slower
+  (MaxText's 22B on 64 v4 chips, docs/benchmarks.md "Anchored on v4 too")."""
+  from meshslice import aot
+  from meshslice.costmodel import profile_for_mesh
+  text = _module("""
+ENTRY %main (p0: f32[16777216]) -> f32[16777216] {
+  %p0 = f32[16777216]{0} parameter(0)
+  ROOT %ar = f32[16777216]{0} all-reduce(%p0), channel_id=1, replica_groups=[1,64]<=[64], use_global_device_ids=true, to_apply=%add
+}""", partitions=64)  # noqa: E501
+  op, = [op for op in ts.read_schedule(text).expanded() if op.name == "ar"]
+  assert (op.group_size, op.link) == (64, 1)
+  assert ts.link_mesh_shape((64, 1)) == (1, 64) and ts.link_mesh_shape((16, 4)) == (16, 4)
+  v4 = load_profile("tpu-v4")
+  schedule = ts.read_schedule(text)
+
+  def step(shape):
+    return ts.simulate(schedule, profile_for_mesh(v4, shape), clock_hz=ts.CLOCK_HZ["tpu-v4"],
+                       axis_dims=ts.axis_torus_dims(v4, shape)).step_s
+  assert step((64, 1)) > 2 * step((1, 64))
+
+  class Compiled:       # what analyze reads of a compiled program
+    def as_text(self):
+      return text
+
+    def memory_analysis(self):
+      return None
+  analyzed = aot.analyze(Compiled(), "tpu-v4", mesh_shape=(64, 1)).simulation.step_s
+  assert analyzed == pytest.approx(step((1, 64)))
