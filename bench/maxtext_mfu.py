@@ -40,7 +40,8 @@ Each program is read under every model the project has (`bench/tpu_models.py`):
 
 MFU as MaxText computed it when it published (train.py at 76bd53b0f): per device and step,
 6 x parameters x tokens + 6 x heads x layers x head_dim x seq^2 x batch (causal
-attention: half of 12), over step time x the chip's bf16 peak (`PEAK_FLOPS`: v5p 459, v4 275 TFLOP/s).
+attention: half of 12), over step time x the chip's bf16 peak (`PEAK_FLOPS`: v5p 459,
+v4 275 TFLOP/s); the v4 rows' commit counted the parameters' term alone.
 
 Runs in MaxText's virtual environment (docs/maxtext.md), one process per row (libtpu reads
 its flags once per process); the compiled HLO, the scheduler's log and the devices'
@@ -70,7 +71,8 @@ _WORKER = flags.DEFINE_string("worker", "", "internal: compile this one row here
 _DENSE = flags.DEFINE_bool("dense", False, "also turn XLA's windowed einsum off (the "
                            "programs are saved as <row>_dense)")
 _PRESET = flags.DEFINE_string("preset", "", "compile under these meshslice flag presets for "
-                              "the row's generation instead of MaxText's 2023 flags, e.g. 'dense,async' "
+                              "the row's generation instead of MaxText's 2023 flags, "
+                              "e.g. 'dense,async' "
                               "(`aot.preset_flags`; programs saved as <row>_<preset>...)")
 _MESHSLICE = flags.DEFINE_bool("meshslice", False, "compile meshslice.transform(step), the "
                                "default plan, instead of MaxText's step (<row>[_dense]"
