@@ -22,7 +22,7 @@ figures are.
 - compiled with MaxText's own train_compile pieces (`examples/maxtext_train.py`) for the
   named topology (v5p-N: N TensorCores, N/2 chips, one device per chip).
 
-Besides those seven, `CONFIGS` holds configs MaxText publishes no MFU for, run the same
+Besides those nine, `CONFIGS` holds configs MaxText publishes no MFU for, run the same
 way to see what the pass does with them (no residual is computed): a MaxText model by
 its `model_name` (e.g. llama2-70b) on another generation, with fsdp x tensor sharding.
 Those need `--preset` (this script knows MaxText's flags for its published rows only).
