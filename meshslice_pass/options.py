@@ -317,6 +317,12 @@ def _validate_override_key(key):
                      "'*/MlpBlock_*/Dense_1')")
 
 
+# Besides --flags, LIBTPU_INIT_ARGS takes libtpu settings spelt NAME=VALUE: MaxText's v4
+# scripts set TPU_MEGACORE=MEGACORE_DENSE there. Planning reads flags only; such a
+# setting is kept as given. (Lower case without the dashes is a mistyped flag.)
+_LIBTPU_SETTING = re.compile(r"[A-Z][A-Z0-9_]*=\S*")
+
+
 def _compiler_flags(flags) -> tuple:
   """`compiler_flags` as a tuple of flags; None: this process's LIBTPU_INIT_ARGS (the one
   place the environment is read, at option time, never while planning)."""
@@ -325,9 +331,11 @@ def _compiler_flags(flags) -> tuple:
   if isinstance(flags, str):
     flags = flags.split()
   if not isinstance(flags, (tuple, list)) or not all(
-      isinstance(f, str) and f.startswith("--") for f in flags):
+      isinstance(f, str) and (f.startswith("--") or _LIBTPU_SETTING.fullmatch(f))
+      for f in flags):
     raise ValueError("compiler_flags must be a LIBTPU_INIT_ARGS string or a sequence of "
-                     f"'--flag=value' strings (or None: this process's), got {flags!r}; "
+                     "'--flag=value' strings (and libtpu's NAME=VALUE settings; or None: "
+                     f"this process's), got {flags!r}; "
                      "e.g. compiler_flags=aot.preset_flags('dense,async', 'v4')")
   return tuple(flags)
 

@@ -51,7 +51,26 @@ def test_the_environment_is_read_when_the_options_are_made_not_while_planning(mo
 def test_bad_compiler_flags_are_named():
   f, x, w = _pod_site()
   with pytest.raises(ValueError, match="compiler_flags must be a LIBTPU_INIT_ARGS string or "
-                                       "a sequence of '--flag=value' strings"):
+                                       "a sequence of '--flag=value' strings \\(and libtpu's "
+                                       "NAME=VALUE settings"):
     meshslice.explain(f, compiler_flags=["xla_tpu_enable_async_all_to_all=true"])
   with pytest.raises(ValueError, match="compiler_flags must be"):
     meshslice.transform(f, compiler_flags=3)
+
+
+def test_libtpu_settings_in_the_flags_are_accepted(monkeypatch):
+  """MaxText's v4 scripts export LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=true
+  TPU_MEGACORE=MEGACORE_DENSE": libtpu takes the NAME=VALUE setting, so the pass must
+  too (it raised before), whether read from the environment or passed; the flags around
+  it still count."""
+  f, x, w = _pod_site()
+  args = "--xla_enable_async_all_gather=true TPU_MEGACORE=MEGACORE_DENSE"
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", args)
+  from_env = meshslice.explain(f, profile="tpu-v4", relayout=False)(x, w)
+  passed = meshslice.explain(f, profile="tpu-v4", relayout=False,
+                             compiler_flags=args.split())(x, w)
+  plain = meshslice.explain(f, profile="tpu-v4", relayout=False,
+                            compiler_flags=("--xla_enable_async_all_gather=true",))(x, w)
+  assert from_env.plan.to_json() == passed.plan.to_json() == plain.plan.to_json()
+  with pytest.raises(ValueError, match="compiler_flags must be"):
+    meshslice.explain(f, compiler_flags=["tpu_megacore=dense"])
