@@ -301,3 +301,30 @@ def test_calibrate_aot_writes_a_profile_the_planner_reads(tmp_path):
 def test_docstring_examples(module):
   import doctest
   assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_an_fsdp_weight_gather_is_priced_as_xlas_dense_program():
+  # XLA gathers a weight split along its contracting dim over one mesh axis and runs a
+  # local dot; it does not window it (docs/tpu.md, "One-axis meshes": GPT-3's layer on
+  # v4:2x2x2 as 8x1 compiled 0.754x XLA's when those gathers were priced as windowed)
+  from meshslice import costing
+  p = GemmProblem(m=2048, n=12288, k=12288, rows=8, cols=1)
+  assert xla_baseline.windowed_fires(p, "os", TERMS)     # the 2D rule alone would fire
+  xla = costing.xla_program(p, profile_for_mesh(V4, (8, 1)), "os", "windowed", TERMS)
+  assert (xla.windowed, xla.description) == (False, "dense program")
+  # the same gather over both axes of a 2D site is still windowed
+  assert costing.xla_program(GemmProblem(m=2048, n=12288, k=12288, rows=8, cols=8),
+                             profile_for_mesh(V4, (8, 8)), "os", "windowed", TERMS).windowed
+  # and the planner leaves the site to XLA: the collective rewrite is XLA's program
+  am = jax.sharding.AbstractMesh((8, 1), ("x", "y"),
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = jax.ShapeDtypeStruct((8, 256, 12288), jnp.bfloat16,
+                           sharding=NamedSharding(am, P("x", None, None)))
+  w = jax.ShapeDtypeStruct((12288, 12288), jnp.bfloat16,
+                           sharding=NamedSharding(am, P("x", None)))
+  f = jax.jit(lambda a, b: jnp.einsum("bsh,hk->bsk", a, b),
+              out_shardings=NamedSharding(am, P("x", None, None)))
+  site, = meshslice.explain(f)(x, w).sites
+  assert not site.rewritten
+  assert site.reason.startswith("left to XLA: the best rewrite (collective os S=1)")
+  assert "XLA's own program (dense program)" in site.reason
