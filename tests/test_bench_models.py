@@ -78,3 +78,35 @@ def _assert_simulated_figures(record):
     assert s["sync_collective_s"] + s["async_collective_s"] == pytest.approx(
         s["collective_s"])
     assert 0 <= s["async_exposed_s"] <= s["async_collective_s"] + 1e-12
+
+
+def test_never_slower_sweep_compiles_both_programs_and_flags_a_slower_plan(tmp_path):
+  """bench/tpu_never_slower_sweep.py: per row XLA's program and the default plan under one
+  flag set, each read under both time models; the least favourable ratio decides whether
+  the row is marked broken (here a tolerance no plan can meet, so the mark must show)."""
+  pytest.importorskip("libtpu")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = tmp_path / "sweep.jsonl"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "bench", "tpu_never_slower_sweep.py"),
+       "--topology=v4:2x2x2", "--meshes=2x4,4x2", "--models=custom:4x128", "--seqs=128",
+       "--tolerance=100", f"--out={out}"],
+      capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["mesh"] for r in rows] == ["2x4", "4x2"]
+  for r in rows:
+    assert r["topology"] == "v4:2x2x2" and r["seq"] == 128 and r["batch"] == 8
+    assert "--xla_tpu_enable_async_all_to_all=true" in r["libtpu_flags"]
+    assert "tpu_never_slower_sweep.py" in r["command"]
+    ratios = {m: r["xla"][m]["step_s"] / r["default"][m]["step_s"]
+              for m in ("alpha-beta", "routed-links")}
+    assert r["least_favourable"]["ratio"] == min(ratios.values())
+    assert r["least_favourable"]["model"] == min(ratios, key=ratios.get)
+    assert r["broken"] is True
+    for program in ("xla", "default"):
+      for model in ("alpha-beta", "routed-links"):
+        s = r[program][model]
+        assert s["step_s"] >= s["compute_s"] > 0
+  assert "2 of 2 rows broken (least favourable below 100.0)" in proc.stdout
+  assert proc.stdout.count("BROKEN") == 2
