@@ -737,6 +737,28 @@ def _why_slices_cannot_overlap(ctx, profile) -> str:
           f"{' '.join(missing)} in the compiler flags (docs/tpu.md)")
 
 
+def _why_one_axis_mesh_is_left(ctx) -> str:
+  """Why an automatic site of a one-axis TPU mesh is left to XLA, or "". A mesh with one
+  axis of size > 1 (pure data or FSDP parallelism: its sites gather a weight, or
+  all-reduce a partial, over that one axis) is not the two-axis problem the rewrite and
+  its step template were measured on. Compiled with libtpu 0.0.42.1 on v4 at 64 and 256
+  chips under `dense,async,all_to_all`, the step template compiled slower than XLA's own
+  program on 5 of the 7 one-axis programs it rewrote (0.94-0.99x under the least
+  favourable model; faster on 2, 1.14x and 1.18x), and the per-site model's sliced plan
+  slower still (0.89x): docs/tpu.md, "One-axis meshes". `tune`, which compiles the
+  candidates and keeps XLA's program unless one beats it, is the way to the wins; a pin
+  (`rewrite`, `algorithm` or `dataflow`) rewrites the site anyway."""
+  mesh = ctx.mesh if isinstance(ctx.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)) \
+      else None
+  if target_platform(mesh) != "tpu":
+    return ""
+  if sum(size > 1 for size in ctx.axis_sizes.values()) != 1:
+    return ""
+  return ("a one-axis mesh (pure data / FSDP parallelism): on TPU the rewrite compiled "
+          "slower than XLA's own program on 5 of 7 such programs measured (docs/tpu.md, "
+          "\"One-axis meshes\"); meshslice.tune compiles it and keeps it where it wins")
+
+
 def _compiles_as_xla(ctx) -> bool:
   """Whether the collective rewrite compiles to XLA's own program for a site: on a
   concrete mesh of CPU or GPU devices (synchronous collectives, the same partitioning).
@@ -808,6 +830,11 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
                     and geometry.global_extent // (k * geometry.lcm) >= ctx.options.min_block)
     no_overlap = _why_slices_cannot_overlap(ctx, profile)
     asked = (request.algorithm, request.dataflow) != (None, None) or request.rewrite is True
+    one_axis = _why_one_axis_mesh_is_left(ctx)
+    if one_axis and not asked:
+      return dataclasses.replace(site, rewritten=False, algorithm=None, ksplit=None,
+                                 block=None, predicted_seconds=None,
+                                 reason=f"{pins.LEFT_TO_XLA}: {one_axis}")
     if no_overlap and not asked:
       # unsliced, the rewrite is XLA's dense program at best (MaxText's 2023 v5p flags,
       # simulated: its plain collective sites 0.92-0.96x of XLA's program)
@@ -817,7 +844,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
     if no_overlap:
       ksplits = (1,)
       site = dataclasses.replace(site, note=_join(site.note, no_overlap))
-    templated = (not no_overlap and algorithm is None
+    templated = (not no_overlap and not one_axis and algorithm is None
                  and _step_template_applies(ctx, profile, request))
     # the site as the collective algorithm, unsliced: what the template sizes sites by
     unsliced = (costmodel.predict(problem, "collective", flow, 1, profile) if templated

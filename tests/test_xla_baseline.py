@@ -328,3 +328,35 @@ def test_an_fsdp_weight_gather_is_priced_as_xlas_dense_program():
   assert not site.rewritten
   assert site.reason.startswith("left to XLA: the best rewrite (collective os S=1)")
   assert "XLA's own program (dense program)" in site.reason
+
+
+def test_a_one_axis_tpu_mesh_leaves_its_sites_to_xla_unless_pinned():
+  # On a TPU mesh with one axis of size > 1 (pure data / FSDP parallelism) the step
+  # template and the per-site model both compiled slower than XLA's own program on most
+  # programs measured (docs/tpu.md, "One-axis meshes"), so every automatic site is left;
+  # a pin still rewrites it, and a two-axis mesh of the same chips is planned as before.
+  pytest.importorskip("libtpu")
+  from meshslice import aot
+
+  def sites(shape, **options):
+    mesh = aot.make_mesh("v4:2x2x2", shape)
+    x = jax.ShapeDtypeStruct((8, 256, 12288), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("x", None, "y")))
+    w = jax.ShapeDtypeStruct((12288, 12288), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("x", "y")))
+    f = jax.jit(lambda a, b: jnp.einsum("bsh,hk->bsk", a, b),
+                out_shardings=NamedSharding(mesh, P("x", None, "y")))
+    with jax.set_mesh(mesh):
+      return meshslice.transform(f, profile="tpu-v4", **options).explain(x, w).sites
+
+  site, = sites((8, 1))
+  assert not site.rewritten
+  assert site.reason == (
+      "left to XLA: a one-axis mesh (pure data / FSDP parallelism): on TPU the rewrite "
+      "compiled slower than XLA's own program on 5 of 7 such programs measured "
+      "(docs/tpu.md, \"One-axis meshes\"); meshslice.tune compiles it and keeps it where "
+      "it wins")
+  pinned, = sites((8, 1), overrides={0: {"rewrite": True}})
+  assert pinned.rewritten and pinned.algorithm is not None
+  two_axis, = sites((2, 4))
+  assert "one-axis" not in (two_axis.reason or "")
