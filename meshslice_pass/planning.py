@@ -154,6 +154,8 @@ class Context:
   # those computes (`template_largest_s`).
   template_mode: str = dataclasses.field(default="probe", compare=False)
   template_compute: list = dataclasses.field(default_factory=list, compare=False)
+  # and, of its forward-pass sites, the token rows each device holds (`_local_tokens`)
+  template_tokens: list = dataclasses.field(default_factory=list, compare=False)
   template_largest_s: float = dataclasses.field(default=0.0, compare=False)
 
 
@@ -174,8 +176,9 @@ def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
   # collectives under, and then for every site it can plan, small ones included (the
   # step's other work hides theirs). Else the first plan stands: those sites unsliced, in
   # their own layout.
-  if ctx.template_compute and max(ctx.template_compute) >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
+  if _step_template_pays(ctx):
     ctx = dataclasses.replace(ctx, decided={}, template_mode="on", template_compute=[],
+                              template_tokens=[],
                               template_largest_s=max(ctx.template_compute))
     sites = []
     _walk(closed.jaxpr, analysis, ctx, (), [], sites)
@@ -855,6 +858,8 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       # too little compute for the template's collectives to hide under, or a sliced
       # plan's: compiled, such steps ran slower than XLA sliced as well (GPT-3 at seq 256)
       ctx.template_compute.append(compute_s)
+      if forward and flow in ("os", "ls"):
+        ctx.template_tokens.append(_local_tokens(problem))
       ksplits = (1,)
       site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
                                  note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
@@ -923,6 +928,38 @@ _STEP_TEMPLATE_NOTE = (
 # (1.105x XLA alpha-beta but 0.826x routed, 0.613x by libtpu's scheduler), and a 4 x
 # 128-head layer at seq 128 (0.896x routed).
 _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
+
+
+# ... or whose forward-pass matmuls hold at least this many token rows on each device
+# (the activation block's rows: the batch's tokens over the mesh's row axis) while its
+# largest computes for at least `_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS`. Measured on
+# v4 with libtpu 0.0.42.1 (docs/tpu.md, "The step template on smaller layers"): on layers
+# of 16-32 heads of 128 whose largest matmul computes for 0.14-1.1 ms, every step of 2048
+# or more token rows a device compiled faster than XLA's program under both time models
+# (1.14-1.70x, the least favourable); with 1024 rows three of four compiled slower (GPT-3
+# at seq 256: 0.82x and 0.96x routed; 16 heads at seq 256: 0.89x alpha-beta), and layers
+# of 4-8 heads on 8 chips (largest 0.01-0.02 ms) slower at 2048-8192 rows (0.94-0.99x).
+_STEP_TEMPLATE_MIN_TOKENS = 2048
+_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS = 1e-4
+
+
+def _step_template_pays(ctx) -> bool:
+  """Whether the probed step takes the step template (`plan_program`): its largest
+  templated matmul computes for `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`, or for
+  `_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS` while its forward sites hold
+  `_STEP_TEMPLATE_MIN_TOKENS` token rows a device."""
+  if not ctx.template_compute:
+    return False
+  largest = max(ctx.template_compute)
+  return (largest >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS
+          or (largest >= _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS
+              and max(ctx.template_tokens, default=0) >= _STEP_TEMPLATE_MIN_TOKENS))
+
+
+def _local_tokens(problem) -> int:
+  """The token rows of a forward site's activation block on one device: its M over the
+  mesh rows (M is the activations' tokens in a forward os or ls site)."""
+  return problem.m // max(problem.rows, 1)
 
 
 def _term_left_to_xla(site, sliced: bool) -> bool:

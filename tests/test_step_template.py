@@ -275,3 +275,33 @@ def test_a_gradient_terms_collective_without_compute_to_hide_it_is_left_to_xla()
   from meshslice.planning import _term_left_to_xla
   query = next(s for s in report.sites if s.summed and s.module == "layers/wq")
   assert not _term_left_to_xla(query, sliced=True) and _term_left_to_xla(query, sliced=False)
+
+
+@pytest.mark.parametrize("seq, templated", [(1024, True), (256, False)])
+def test_a_smaller_layer_takes_the_template_when_each_device_holds_enough_tokens(
+    seq, templated):
+  """A layer of 16 heads of 128 on 64 chips as 16x4: its largest matmul computes for well
+  under `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`, but at seq 1024 each device holds 4096
+  token rows (>= `_STEP_TEMPLATE_MIN_TOKENS`) and the template compiled 1.14x XLA's
+  program (1.17x routed); at seq 256 (1024 rows) such steps compiled slower, and the
+  sites stay with the per-site model, which leaves them to XLA (docs/tpu.md, "The step
+  template on smaller layers")."""
+  from meshslice import costing, planning
+  from meshslice.costmodel import model_spec, predict
+  mesh = aot.make_mesh("v4:4x4x4", (16, 4))
+  spec = model_spec("custom", heads=16, head_dim=128, seq=seq)
+  step, *args = aot.model_step(spec, mesh, seq=seq)
+  report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
+      "dense,async,all_to_all", "v4"))(*args)
+  tokens = 64 // 16 * seq
+  assert (tokens >= planning._STEP_TEMPLATE_MIN_TOKENS) is templated
+  follows = [s for s in report.sites if TEMPLATE in (s.note or "")]
+  if templated:
+    assert len(report.rewritten) == 20 and len(follows) == 23
+    compute = [predict(s.problem, "collective", costing.model_dataflow(s.dataflow), 1,
+                       s.profile).compute_s for s in report.rewritten]
+    assert (planning._STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS <= max(compute)
+            < planning._STEP_TEMPLATE_MIN_COMPUTE_SECONDS)
+  else:
+    assert not report.rewritten and not follows
+    assert all(s.reason.startswith(("left to XLA", "no mesh axis")) for s in report.sites)
