@@ -715,6 +715,13 @@ def _offloaded(ctx, profile) -> frozenset:
                                            backend_flags.profile_generation(profile.name))
 
 
+def _plans_for_tpu(ctx) -> bool:
+  """Whether the program is planned for TPU: its mesh's devices, or an AbstractMesh's."""
+  mesh = ctx.mesh if isinstance(ctx.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)) \
+      else None
+  return target_platform(mesh) == "tpu"
+
+
 def _why_slices_cannot_overlap(ctx, profile) -> str:
   """Why a sliced plan's collectives would not overlap its matmuls where the program
   runs, or "" when they can. On TPU (a mesh of TPU devices, or an AbstractMesh of them)
@@ -726,9 +733,7 @@ def _why_slices_cannot_overlap(ctx, profile) -> str:
   to XLA, unless the user asked for a rewrite (an algorithm, a dataflow or
   `rewrite=True`): then it is rewritten, unsliced. Elsewhere the cost model's overlap
   stands (CPU runs collectives synchronously anyway, and GPU's flags are XLA_FLAGS)."""
-  mesh = ctx.mesh if isinstance(ctx.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)) \
-      else None
-  if target_platform(mesh) != "tpu":
+  if not _plans_for_tpu(ctx):
     return ""
   flags = " ".join(ctx.options.compiler_flags or ())
   missing = backend_flags.missing_overlap_flags(
@@ -751,9 +756,7 @@ def _why_one_axis_mesh_is_left(ctx) -> str:
   slower still (0.89x): docs/tpu.md, "One-axis meshes". `tune`, which compiles the
   candidates and keeps XLA's program unless one beats it, is the way to the wins; a pin
   (`rewrite`, `algorithm` or `dataflow`) rewrites the site anyway."""
-  mesh = ctx.mesh if isinstance(ctx.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)) \
-      else None
-  if target_platform(mesh) != "tpu":
+  if not _plans_for_tpu(ctx):
     return ""
   if sum(size > 1 for size in ctx.axis_sizes.values()) != 1:
     return ""
