@@ -939,7 +939,7 @@ _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 # v4 with libtpu 0.0.42.1 (docs/tpu.md, "The step template on smaller layers"): on layers
 # of 16-32 heads of 128 whose largest matmul computes for 0.14-1.1 ms, every step of 2048
 # or more token rows a device compiled faster than XLA's program under both time models
-# (1.14-1.70x, the least favourable); with 1024 rows three of four compiled slower (GPT-3
+# (1.10-1.70x, the least favourable); with 1024 rows three of four compiled slower (GPT-3
 # at seq 256: 0.82x and 0.96x routed; 16 heads at seq 256: 0.89x alpha-beta), and layers
 # of 4-8 heads on 8 chips (largest 0.01-0.02 ms) slower at 2048-8192 rows (0.94-0.99x).
 _STEP_TEMPLATE_MIN_TOKENS = 2048
