@@ -199,6 +199,26 @@ def tpu_generation(device_kind: str) -> str | None:
   return _DEVICE_KINDS.get(str(device_kind).strip().lower())
 
 
+def mesh_generation(mesh) -> str | None:
+  """The TPU generation of a mesh's devices (a `jax.sharding.Mesh`, or an AbstractMesh
+  built from devices), or None: no mesh, not TPU, or a chip this table does not know.
+
+  Example (a compile-only topology, `meshslice.aot`):
+    >>> mesh_generation(aot.make_mesh("v5p:2x2x1", (2, 2)))       # doctest: +SKIP
+    'v5p'
+  """
+  if mesh is None:
+    return None
+  try:
+    device = mesh.devices.flat[0]
+  except (ValueError, AttributeError):      # an AbstractMesh has no devices
+    from meshslice.rewrites._jax_compat import abstract_device
+    device = abstract_device(mesh)
+  if getattr(device, "platform", None) != "tpu":
+    return None
+  return tpu_generation(getattr(device, "device_kind", ""))
+
+
 def rewrite_presets(generation: str | None) -> str:
   """The flag presets (`preset_flags` names) the rewrite is compiled under by default on
   a TPU generation, e.g. by `python -m meshslice aot`: the generation's async collective

@@ -55,8 +55,9 @@ class Options:
       saved in one checkout or virtualenv applies in another).
     profile: the hardware profile the cost model plans for: a shipped name
       ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x", "h100", "cpu"), a profile JSON
-      path, or
-      a `meshslice.costmodel.HardwareProfile`.
+      path, or a `meshslice.costmodel.HardwareProfile`. Omitted: the shipped profile of
+      the mesh's TPU generation (a v5p mesh plans with "tpu-v5p", an Ironwood one with
+      "tpu-v7x"; `for_mesh`), and "tpu-v4" on any other mesh (CPU, GPU).
     xla_baseline: the program XLA itself would run for a site, which every automatic
       plan must beat to be emitted ("leave it to XLA" is a candidate; a site whose best
       rewrite is not predicted faster is left alone, the reason naming both times):
@@ -129,10 +130,20 @@ class Options:
   hold_gathers: object = "auto"
   compiler_flags: tuple | None = None
   share_reductions: bool = True
+  # the keywords as given, when `profile` was not among them (None otherwise):
+  # `for_mesh` builds the options again with the mesh's generation's profile
+  _without_profile: dict | None = dataclasses.field(default=None, repr=False,
+                                                    compare=False)
+
+  @classmethod
+  def names(cls) -> tuple:
+    """The option names (the fields a user sets; not the private bookkeeping ones)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
 
   @classmethod
   def from_kwargs(cls, caller: str, kwargs: dict) -> "Options":
-    allowed = [f.name for f in dataclasses.fields(cls)]
+    allowed = cls.names()
+    given = None if "profile" in kwargs else dict(kwargs)
     for name in kwargs:
       if name not in allowed:
         raise TypeError(f"{caller} got an unknown option {name!r}; allowed options: "
@@ -174,10 +185,33 @@ class Options:
       raise ValueError("source_packages must be a tuple of top-level package names, e.g. "
                        f"('maxtext',), got {packages!r}")
     kwargs = dict(kwargs, source_packages=tuple(packages),
-                  compiler_flags=_compiler_flags(kwargs.get("compiler_flags")))
+                  compiler_flags=_compiler_flags(kwargs.get("compiler_flags")),
+                  _without_profile=given)
     opts = cls(**kwargs)
     opts.validate()
     return opts
+
+  def for_mesh(self, mesh, caller: str = "meshslice.transform") -> "Options":
+    """These options as they plan on `mesh`: where no profile was given and the mesh's
+    devices are TPUs of a known generation (`backend_flags.mesh_generation`), the same
+    options with that generation's shipped profile (and its compiler terms); else self.
+    A plan is thus a function of program, mesh and options, whichever chip the host is.
+
+    Example:
+      >>> Options.from_kwargs("t", {}).for_mesh(None).profile.name
+      'tpu-v4'
+    """
+    generation = backend_flags.mesh_generation(mesh)
+    if self._without_profile is None or generation is None:
+      return self
+    name = backend_flags.GENERATIONS[generation].profile
+    if name == self.profile.name:
+      return self
+    # the flags and plan as read when the options were made (the environment is read
+    # once, at option time)
+    return Options.from_kwargs(caller, dict(self._without_profile, profile=name,
+                                            compiler_flags=self.compiler_flags,
+                                            plan=self.plan))
 
   def validate(self):
     validate_algorithm(self.algorithm)

@@ -171,24 +171,25 @@ class Transformed:
                  for sh, aval in zip(params["out_shardings"], closed.out_avals)]
     analysis = A.analyze(closed, in_specs, out_specs, A.Context(axis_sizes=axis_sizes))
     clock.lap("analysis")
+    options = self._options.for_mesh(mesh)      # the mesh's chip's profile, if none given
     outputs = jax.tree.unflatten(traced.out_tree, range(len(closed.out_avals)))
     names = ParamNames(closed.jaxpr,
                        [None] * len(consts) + key_paths(self._split(args, kwargs)[1]),
                        key_paths(outputs))
     sites = planning.plan_program(
         closed, analysis,
-        planning.Context(axis_sizes=axis_sizes, options=self._options, mesh=mesh,
+        planning.Context(axis_sizes=axis_sizes, options=options, mesh=mesh,
                          param_names=names))
     clock.lap("planning")
-    if self._options.plan is not None:
-      self._options.plan.check_matches(sites, axis_sizes)
-    check_overrides(self._options, sites)
+    if options.plan is not None:
+      options.plan.check_matches(sites, axis_sizes)
+    check_overrides(options, sites)
     blind = _blind_spots(sites, outer_traced)
     report = Report(sites=sites, mesh_shape=axis_sizes,
-                    profile=getattr(self._options.profile, "name", ""),
-                    hardware=self._options.profile,
+                    profile=getattr(options.profile, "name", ""),
+                    hardware=options.profile,
                     notes=blind + overlap_note(sites, mesh, dict(
-                        os.environ, LIBTPU_INIT_ARGS=" ".join(self._options.compiler_flags))))
+                        os.environ, LIBTPU_INIT_ARGS=" ".join(options.compiler_flags))))
     planned = _Planned(closed=closed, consts=tuple(consts), out_tree=traced.out_tree,
                        sites=tuple(sites),
                        mesh=mesh, report=report,

@@ -2,7 +2,6 @@
 compiles, with errors naming the argument and the fix; on a mesh shape + topology it takes
 the arguments a concrete mesh takes (static values, unsharded arrays); and a tune that
 fails before libtpu loads leaves LIBTPU_INIT_ARGS as it was."""
-import dataclasses
 import importlib
 import json
 import os
@@ -64,7 +63,7 @@ def _tune(*args, **kwargs):
   return lambda: meshslice.tune(*(args or (f, x, w)), **kwargs)
 
 
-_OPTIONS = ", ".join(f.name for f in dataclasses.fields(meshslice.Options))
+_OPTIONS = ", ".join(meshslice.Options.names())
 _COLLECTIVE = {"algorithm": "collective"}
 
 CANDIDATE_ERRORS = {
