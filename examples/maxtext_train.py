@@ -158,9 +158,7 @@ def run_aot(config, ksplit):
   """Compile plain and transformed for the config's compile_topology; print the table."""
   from flax.linen import partitioning as nn_partitioning
   step, args, kwargs, mesh, compiler_options = maxtext_aot_step(config)
-  kinds = {d.device_kind for d in mesh.devices.flat}
-  profile = next((g.profile for g in aot.GENERATIONS.values() if g.device_kind in kinds),
-                 "tpu-v4")
+  profile = aot.mesh_profile(mesh)        # what meshslice.transform plans with by default
   options = {"profile": profile, **({"ksplit": ksplit} if ksplit else {})}
   fast = meshslice.transform(step, **options)
   results = {}

@@ -60,8 +60,8 @@ import time
 from .backend_flags import CONTINUATION_FUSION_FLAGS as ASYNC_FLAGS  # noqa: F401
 from .backend_flags import (ASYNC_ALL_TO_ALL_FLAGS, DENSE_FLAGS,  # noqa: F401
                             FLAG_PRESETS, GENERATIONS, SAFE_ASYNC_FLAGS, VARIANTS,
-                            XLA_VARIANTS, Generation, preset_flags, tpu_overlap_flags,
-                            unsafe_flags, variant_flags)
+                            XLA_VARIANTS, Generation, mesh_profile, preset_flags,
+                            tpu_overlap_flags, unsafe_flags, variant_flags)
 
 # Spellings of Ironwood that libtpu refuses as topology names: named in the error
 _TPU7X_SPELLINGS = ("v7x", "v7", "tpu7", "ironwood")
@@ -479,9 +479,7 @@ def compare_candidates(fn, *args, mesh, candidates: dict, profile: str | None = 
   """
   from .transform import transform
   if profile is None:
-    kinds = {d.device_kind for d in mesh.devices.flat}
-    profile = next((g.profile for g in GENERATIONS.values() if g.device_kind in kinds),
-                   "tpu-v4")
+    profile = mesh_profile(mesh)
   out = {}
   for name, options in candidates.items():
     if options is not None and not isinstance(options, dict):

@@ -219,6 +219,13 @@ def mesh_generation(mesh) -> str | None:
   return tpu_generation(getattr(device, "device_kind", ""))
 
 
+def mesh_profile(mesh, default: str = "tpu-v4") -> str:
+  """The shipped hardware profile of a mesh's TPU generation (`mesh_generation`), or
+  `default` for a mesh that is not one (CPU, GPU, none)."""
+  generation = mesh_generation(mesh)
+  return GENERATIONS[generation].profile if generation else default
+
+
 def rewrite_presets(generation: str | None) -> str:
   """The flag presets (`preset_flags` names) the rewrite is compiled under by default on
   a TPU generation, e.g. by `python -m meshslice aot`: the generation's async collective
