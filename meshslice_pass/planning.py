@@ -474,7 +474,9 @@ def _decide(eqn, ctx, base, request, dimension_numbers, lhs, rhs, out, lhs_spec,
   # compiled 1.3 % slower than XLA)
   automatic = ctx.options.relayout and site.rule != pins.STEP_TEMPLATE_GUARD_RULE and (
       not offloaded or (base["direction"] == "forward" and backend_flags.profile_generation(
-          site.profile.name) in _FORWARD_RESHARDS_MEASURED))
+          site.profile.name) in _FORWARD_RESHARDS_MEASURED
+          and min(ctx.axis_sizes[match.row_axis], ctx.axis_sizes[match.col_axis])
+          >= _FORWARD_RESHARD_MIN_AXIS))
   # Where the collective rewrite is taken over a tie with XLA (`_COLLECTIVE_OVER_XLA_
   # MEASURED`), the other dataflows are priced even though no reshard is adopted: that
   # rule needs to know whether another dataflow would move less.
@@ -682,6 +684,14 @@ def _versus_xla(best, site, ctx, request, base, cheapest_elsewhere=None):
 # measured faster than XLA's program (docs/benchmarks-log.md, "Forward sites under SparseCore
 # offload"); elsewhere under offload a site keeps the dataflow its layouts give.
 _FORWARD_RESHARDS_MEASURED = ("v5p", "v6e")
+
+# ... on a mesh whose axes both have at least this many devices. With a 2-device axis the
+# activation gather the reshard saves moves half a block to one neighbour: on 64 chips
+# as 32x2 (GPT-3 and a 32-head layer at seq 2048, `bench/tpu_never_slower_sweep.py`) the
+# default plan that resharded the MLP down projection compiled 0.993x XLA on v5p (both,
+# alpha-beta) and 1.001-1.013x on v6e, against 1.03-1.09x with 4- and 8-device axes
+# (docs/tpu.md, "Forward reshards need two axes of four")
+_FORWARD_RESHARD_MIN_AXIS = 4
 
 
 # TPU generations where, under SparseCore offload with windowed einsum off (the
