@@ -157,6 +157,9 @@ class Context:
   # and, of its forward-pass sites, the token rows each device holds (`_local_tokens`)
   template_tokens: list = dataclasses.field(default_factory=list, compare=False)
   template_largest_s: float = dataclasses.field(default=0.0, compare=False)
+  # False once the step has too little compute for `_COLLECTIVE_OVER_XLA_MEASURED`'s rule
+  # (`plan_program`): its ties with XLA's program then stay XLA's
+  collective_over_xla: bool = dataclasses.field(default=True, compare=False)
 
 
 def _devices(ctx):
@@ -182,6 +185,15 @@ def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
                               template_largest_s=max(ctx.template_compute))
     sites = []
     _walk(closed.jaxpr, analysis, ctx, (), [], sites)
+  elif not _collective_over_xla_pays(sites):
+    # the rule's sites were planned against XLA alone: in a step too small for it, plan
+    # them so again, each saying why the rule was not taken
+    ruled = {s.index for s in sites if s.rule == pins.COLLECTIVE_OVER_XLA_RULE}
+    ctx = dataclasses.replace(ctx, decided={}, collective_over_xla=False)
+    sites = []
+    _walk(closed.jaxpr, analysis, ctx, (), [], sites)
+    sites = [dataclasses.replace(s, note=_join(s.note, _COLLECTIVE_OVER_XLA_SMALL_NOTE))
+             if s.index in ruled else s for s in sites]
   return _judge_pins(tuple(sites), ctx)
 
 
@@ -710,12 +722,38 @@ _COLLECTIVE_OVER_XLA_MEASURED = ("tpu7x",)
 def _collective_over_xla(ctx, profile) -> bool:
   """Whether a tie with XLA's program goes to the collective rewrite on this profile's
   generation under the compiler flags in force (`_COLLECTIVE_OVER_XLA_MEASURED`): with
-  SparseCore offload and windowed einsum off, the flags it was measured under."""
+  SparseCore offload and windowed einsum off, the flags it was measured under, in a step
+  with the compute for it (`_collective_over_xla_pays`)."""
   flags = ctx.options.compiler_flags
-  if profile is None or not _offloaded(ctx, profile) or not (
+  if profile is None or not ctx.collective_over_xla or not _offloaded(ctx, profile) or not (
       backend_flags.windowed_einsum_off(flags)):
     return False
   return backend_flags.profile_generation(profile.name) in _COLLECTIVE_OVER_XLA_MEASURED
+
+
+# The step whose sites take `_COLLECTIVE_OVER_XLA_MEASURED`'s rule needs one of them to
+# compute for at least this long. On tpu7x:4x4x2 (64 TensorCores, one sequence each,
+# `bench/tpu_never_slower_sweep.py`, 2026-12-07) GPT-3 layers whose largest such matmul
+# computes for 0.60 ms (seq 512) compiled 1.02-1.15x XLA and at 2.4 ms (seq 2048)
+# 1.02-1.28x; a 32-head layer at seq 2048 (largest 0.27 ms) 0.897x (docs/tpu.md,
+# "The never-slower sweep on v5p, v6e and Ironwood").
+_COLLECTIVE_OVER_XLA_MIN_COMPUTE_SECONDS = 5e-4
+
+_COLLECTIVE_OVER_XLA_SMALL_NOTE = (
+    "not the collective rewrite over a tie with XLA: the step's largest such matmul "
+    "computes for less than 0.5 ms, where it compiled slower than XLA's program "
+    "(docs/tpu.md, \"The never-slower sweep on v5p, v6e and Ironwood\")")
+
+
+def _collective_over_xla_pays(sites) -> bool:
+  """Whether the sites `_collective_over_xla` gave the collective rewrite (none: True)
+  hold one that computes for `_COLLECTIVE_OVER_XLA_MIN_COMPUTE_SECONDS` unsliced."""
+  ruled = [s for s in sites if s.rule == pins.COLLECTIVE_OVER_XLA_RULE]
+  if not ruled:
+    return True
+  return max(costmodel.predict(s.problem, "collective", costing.model_dataflow(s.dataflow),
+                               1, s.profile).compute_s
+             for s in ruled) >= _COLLECTIVE_OVER_XLA_MIN_COMPUTE_SECONDS
 
 
 def _offloaded(ctx, profile) -> frozenset:
