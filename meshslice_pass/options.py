@@ -16,6 +16,13 @@ from .pins import validate_algorithm, validate_count, validate_pin, validate_red
 
 DEFAULT_PROFILE = "tpu-v4"
 
+# The generations whose meshes plan with their own profile when none is given
+# (`Options.for_mesh`): those whose default plans were compiled against XLA's over a grid
+# of layers and meshes (docs/tpu.md, "The never-slower sweep on v5p, v6e and Ironwood").
+# v5e is not yet among them: with tpu-v5e, GPT-3 at seq 2048 on v5e:8x8 as 32x2 sliced
+# 18 sites and compiled 0.941x XLA, where tpu-v4's plan leaves every site to XLA.
+_MESH_PROFILE_GENERATIONS = ("v4", "v5p", "v6e", "tpu7x")
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Options:
@@ -57,7 +64,8 @@ class Options:
       ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu-v7x", "h100", "cpu"), a profile JSON
       path, or a `meshslice.costmodel.HardwareProfile`. Omitted: the shipped profile of
       the mesh's TPU generation (a v5p mesh plans with "tpu-v5p", an Ironwood one with
-      "tpu-v7x"; `for_mesh`), and "tpu-v4" on any other mesh (CPU, GPU).
+      "tpu-v7x", v6e with "tpu-v6e"; `for_mesh`), and "tpu-v4" on any other mesh (CPU,
+      GPU, and v5e until its plans are checked against XLA's: docs/tpu.md).
     xla_baseline: the program XLA itself would run for a site, which every automatic
       plan must beat to be emitted ("leave it to XLA" is a candidate; a site whose best
       rewrite is not predicted faster is left alone, the reason naming both times):
@@ -201,6 +209,9 @@ class Options:
       >>> Options.from_kwargs("t", {}).for_mesh(None).profile.name
       'tpu-v4'
     """
+    generation = backend_flags.mesh_generation(mesh)
+    if generation not in _MESH_PROFILE_GENERATIONS:
+      return self
     name = backend_flags.mesh_profile(mesh, default=DEFAULT_PROFILE)
     if self._without_profile is None or name == self.profile.name:
       return self
