@@ -41,6 +41,9 @@ _FLAGS = flags.DEFINE_string("flags", "dense,async,all_to_all", "libtpu flag pre
 _TOLERANCE = flags.DEFINE_float("tolerance", 0.995, "least favourable XLA / plan below "
                                 "this is a broken promise")
 _OUT = flags.DEFINE_string("out", "/tmp/never_slower_sweep.jsonl", "JSON lines, one a row")
+_PROFILE = flags.DEFINE_string("profile", None, "the profile the default plan is made with "
+                               "(default: none named, what meshslice.transform picks for "
+                               "the mesh); the simulation uses the generation's")
 
 MODELS = ("alpha-beta", "routed-links")
 
@@ -96,6 +99,7 @@ def main(argv):
 
   profile = generation.profile
   common = {"topology": _TOPOLOGY.value, "flag_presets": _FLAGS.value,
+            "plan_profile": _PROFILE.value or "default",
             "libtpu_flags": os.environ.get("LIBTPU_INIT_ARGS", ""), "profile": profile,
             "jax": jax.__version__, "libtpu": version("libtpu"),
             "command": " ".join([sys.executable] + sys.argv)}
@@ -113,7 +117,8 @@ def main(argv):
             mesh = aot.make_mesh(_TOPOLOGY.value, shape)
             step, params, data = aot.model_step(model_argument(name, seq), mesh,
                                                 batch=row["batch"], seq=seq)
-            fn = meshslice.transform(step)
+            fn = meshslice.transform(step, **({"profile": _PROFILE.value}
+                                              if _PROFILE.value else {}))
             with jax.set_mesh(mesh):
               report = fn.explain(params, data)
             row["plan"] = {k: n for k, n in report.plan_counts(reduce_scatter=True).items()}
