@@ -19,8 +19,9 @@ DEFAULT_PROFILE = "tpu-v4"
 # The generations whose meshes plan with their own profile when none is given
 # (`Options.for_mesh`): those whose default plans were compiled against XLA's over a grid
 # of layers and meshes (docs/tpu.md, "The never-slower sweep on v5p, v6e and Ironwood").
-# v5e is not yet among them: with tpu-v5e, GPT-3 at seq 2048 on v5e:8x8 as 32x2 sliced
-# 18 sites and compiled 0.941x XLA, where tpu-v4's plan leaves every site to XLA.
+# v5e is not among them: with tpu-v5e the per-site model sliced every GPT-3 step on
+# v5e:8x8 and four of six compiled slower than XLA (0.920-0.941x: seq 512 on 16x4, 8x8
+# and 32x2, seq 2048 on 32x2), where tpu-v4's plan leaves every site to XLA.
 _MESH_PROFILE_GENERATIONS = ("v4", "v5p", "v6e", "tpu7x")
 
 
