@@ -66,7 +66,7 @@ class Options:
       path, or a `meshslice.costmodel.HardwareProfile`. Omitted: the shipped profile of
       the mesh's TPU generation (a v5p mesh plans with "tpu-v5p", an Ironwood one with
       "tpu-v7x", v6e with "tpu-v6e"; `for_mesh`), and "tpu-v4" on any other mesh (CPU,
-      GPU, and v5e until its plans are checked against XLA's: docs/tpu.md).
+      GPU, and v5e, where its own profile's plans compiled slower than XLA: docs/tpu.md).
     xla_baseline: the program XLA itself would run for a site, which every automatic
       plan must beat to be emitted ("leave it to XLA" is a candidate; a site whose best
       rewrite is not predicted faster is left alone, the reason naming both times):
