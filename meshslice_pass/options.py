@@ -211,10 +211,10 @@ class Options:
       'tpu-v4'
     """
     generation = backend_flags.mesh_generation(mesh)
-    if generation not in _MESH_PROFILE_GENERATIONS:
+    if self._without_profile is None or generation not in _MESH_PROFILE_GENERATIONS:
       return self
-    name = backend_flags.mesh_profile(mesh, default=DEFAULT_PROFILE)
-    if self._without_profile is None or name == self.profile.name:
+    name = backend_flags.GENERATIONS[generation].profile
+    if name == self.profile.name:
       return self
     # the flags and plan as read when the options were made (the environment is read
     # once, at option time)
