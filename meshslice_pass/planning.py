@@ -996,18 +996,32 @@ _STEP_TEMPLATE_MIN_COMPUTE_SECONDS = 2e-3
 _STEP_TEMPLATE_MIN_TOKENS = 2048
 _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS = 1e-4
 
+# A step whose largest matmul computes for `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` or more
+# (GPT-3-sized layers) needs at least this many token rows a device as well. On v4:8x8x4
+# as 64x4 (256 chips, one sequence per chip, `bench/tpu_never_slower_sweep.py`,
+# 2026-12-07) GPT-3 and Megatron-NLG layers at seq 512 (2048 rows, largest 3.3 / 6.8 ms)
+# compiled 0.948x and 0.936x XLA's program (routed links; 1.153x / 1.596x alpha-beta):
+# the plan's weight gathers over the 64-chip axis waited 17.7 ms where XLA's waited 12.3.
+# At seq 1024 (4096 rows) they won, 1.072x and 1.049x, as at 8192 rows and more on every
+# GPT-3-sized step measured. Narrower layers won at 2048 rows, on 64x4 too (32 heads of
+# 128: 1.223x; docs/tpu.md, "The step template on smaller layers"). What separates the
+# two at 2048 rows was not found: this is the measured line, not a model of it.
+_STEP_TEMPLATE_MIN_TOKENS_LARGE = 4096
+
 
 def _step_template_pays(ctx) -> bool:
-  """Whether the probed step takes the step template (`plan_program`): its largest
-  templated matmul computes for `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`, or for
-  `_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS` while its forward sites hold
-  `_STEP_TEMPLATE_MIN_TOKENS` token rows a device."""
+  """Whether the probed step takes the step template (`plan_program`): its forward sites
+  hold `_STEP_TEMPLATE_MIN_TOKENS` token rows a device while its largest templated
+  matmul computes for `_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS`, and
+  `_STEP_TEMPLATE_MIN_TOKENS_LARGE` rows where that matmul computes for
+  `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` or more."""
   if not ctx.template_compute:
     return False
   largest = max(ctx.template_compute)
-  return (largest >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS
-          or (largest >= _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS
-              and max(ctx.template_tokens, default=0) >= _STEP_TEMPLATE_MIN_TOKENS))
+  rows = max(ctx.template_tokens, default=0)
+  if largest >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
+    return rows >= _STEP_TEMPLATE_MIN_TOKENS_LARGE
+  return largest >= _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS and rows >= _STEP_TEMPLATE_MIN_TOKENS
 
 
 def _local_tokens(problem) -> int:
@@ -1044,8 +1058,9 @@ _SUMMED_REASON = (
 
 _TOO_LITTLE_COMPUTE_NOTE = (
     "unsliced, in its own layout: under the flags of the step template, a step whose "
-    "matmuls compute for too little to hide sliced collectives or relayouts under (GPT-3 "
-    "at seq 256 compiled slower than XLA sliced and resharded; docs/tpu.md)")
+    "matmuls compute for too little, or hold too few token rows a device, to hide sliced "
+    "collectives or relayouts under (GPT-3 at seq 256, and at seq 512 on 256 chips as "
+    "64x4, compiled slower than XLA with the template; docs/tpu.md)")
 
 
 def _step_template_applies(ctx, profile, request) -> bool:

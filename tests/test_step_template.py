@@ -188,6 +188,37 @@ def test_sites_with_little_compute_keep_the_per_site_model(shape):
   assert all(s.reason.startswith(("left to XLA", "no mesh axis")) for s in report.sites)
 
 
+@pytest.mark.parametrize("seq, templated", [(512, False), (1024, True)])
+def test_a_gpt3_sized_step_needs_4096_token_rows_a_device_for_the_template(seq, templated):
+  """A GPT-3 layer's largest matmul computes for over `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`
+  at seq 512, yet there (2048 token rows a device) the template compiled slower than XLA's
+  program on 256 chips as 64x4: 0.948x routed, Megatron-NLG 0.936x; at seq 1024 (4096
+  rows) 1.072x and 1.049x (docs/tpu.md, "GPT-3-sized steps need 4096 token rows"). Below
+  `_STEP_TEMPLATE_MIN_TOKENS_LARGE` the per-site model plans it, which leaves it to XLA.
+  One sequence per chip on 8 chips: each chip's matmuls are those of 256 chips."""
+  from meshslice import costing, planning
+  from meshslice.costmodel import predict
+  mesh = aot.make_mesh("v4:2x2x2", (2, 4))
+  step, params, batch = aot.model_step("gpt3", mesh, batch=8, seq=seq)
+  report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
+      "dense,async,all_to_all", "v4"))(params, batch)
+  rows = 8 * seq // 2
+  assert (rows >= planning._STEP_TEMPLATE_MIN_TOKENS_LARGE) is templated
+  assert rows >= planning._STEP_TEMPLATE_MIN_TOKENS
+  if templated:
+    assert {s.rule for s in report.rewritten} == {"step_template"}
+    assert len(report.rewritten) == 23
+    compute = [predict(s.problem, "collective", costing.model_dataflow(s.dataflow), 1,
+                       s.profile).compute_s for s in report.rewritten]
+    # at twice the line: at seq 512 (half the tokens) the largest is still above it, so
+    # only the token rows keep the template off there
+    assert max(compute) >= 2 * planning._STEP_TEMPLATE_MIN_COMPUTE_SECONDS
+  else:
+    assert not report.rewritten
+    assert all(s.reason.startswith(("left to XLA", "no mesh axis")) for s in report.sites)
+    assert len([s for s in report.sites if s.reason.startswith("left to XLA")]) == 23
+
+
 def test_the_step_decides_so_small_sites_of_a_large_step_take_the_template():
   """The template is a plan for the whole step: a Llama-shaped step (GQA, 8 key / value
   heads) has projections that compute for well under `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS`
