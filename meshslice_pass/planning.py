@@ -1024,6 +1024,27 @@ def _step_template_pays(ctx) -> bool:
   return largest >= _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS and rows >= _STEP_TEMPLATE_MIN_TOKENS
 
 
+def step_notes(ctx) -> tuple:
+  """What the report says of the step as a whole, once `plan_program` has planned it with
+  `ctx`: why a step that could take the step template did not (its sites' own notes are
+  replaced where they are left to XLA)."""
+  if not ctx.template_compute or _step_template_pays(ctx):
+    return ()
+  largest = max(ctx.template_compute)
+  rows = max(ctx.template_tokens, default=0)
+  if largest < _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS:
+    short = (f"its largest matmul computes for {largest * 1e3:.3f} ms, under the "
+             f"{_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS * 1e3:.1f} ms it needs")
+  else:
+    needed = (_STEP_TEMPLATE_MIN_TOKENS_LARGE
+              if largest >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS else _STEP_TEMPLATE_MIN_TOKENS)
+    short = (f"its forward matmuls hold {rows} token rows a device, where a step whose "
+             f"largest matmul computes for {largest * 1e3:.2f} ms needs {needed}")
+  return (f"the step template was not taken: {short} (steps with less compiled slower than "
+          "XLA's program with it; docs/tpu.md, \"The step template on smaller layers\" and "
+          "\"GPT-3-sized steps need 4096 token rows\")",)
+
+
 def _local_tokens(problem) -> int:
   """The token rows of a forward site's activation block on one device: its M over the
   mesh rows (M is the activations' tokens in a forward os or ls site)."""

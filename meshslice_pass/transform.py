@@ -176,10 +176,9 @@ class Transformed:
     names = ParamNames(closed.jaxpr,
                        [None] * len(consts) + key_paths(self._split(args, kwargs)[1]),
                        key_paths(outputs))
-    sites = planning.plan_program(
-        closed, analysis,
-        planning.Context(axis_sizes=axis_sizes, options=options, mesh=mesh,
-                         param_names=names))
+    context = planning.Context(axis_sizes=axis_sizes, options=options, mesh=mesh,
+                               param_names=names)
+    sites = planning.plan_program(closed, analysis, context)
     clock.lap("planning")
     if options.plan is not None:
       options.plan.check_matches(sites, axis_sizes)
@@ -188,8 +187,9 @@ class Transformed:
     report = Report(sites=sites, mesh_shape=axis_sizes,
                     profile=getattr(options.profile, "name", ""),
                     hardware=options.profile,
-                    notes=blind + overlap_note(sites, mesh, dict(
-                        os.environ, LIBTPU_INIT_ARGS=" ".join(options.compiler_flags))))
+                    notes=blind + planning.step_notes(context) + overlap_note(
+                        sites, mesh, dict(os.environ,
+                                          LIBTPU_INIT_ARGS=" ".join(options.compiler_flags))))
     planned = _Planned(closed=closed, consts=tuple(consts), out_tree=traced.out_tree,
                        sites=tuple(sites),
                        mesh=mesh, report=report,

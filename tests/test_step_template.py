@@ -217,6 +217,17 @@ def test_a_gpt3_sized_step_needs_4096_token_rows_a_device_for_the_template(seq, 
     assert not report.rewritten
     assert all(s.reason.startswith(("left to XLA", "no mesh axis")) for s in report.sites)
     assert len([s for s in report.sites if s.reason.startswith("left to XLA")]) == 23
+  # the report says why the step did not take it
+  said = [n for n in report.notes if n.startswith("the step template was not taken")]
+  if templated:
+    assert not said
+  else:
+    note, = said
+    assert note.startswith("the step template was not taken: its forward matmuls hold 2048 "
+                           "token rows a device, where a step whose largest matmul computes "
+                           "for ")
+    assert " ms needs 4096 (steps with less compiled slower than XLA's program" in note
+    assert f"note: {note}" in str(report)
 
 
 def test_the_step_decides_so_small_sites_of_a_large_step_take_the_template():
