@@ -156,6 +156,8 @@ class Context:
   template_compute: list = dataclasses.field(default_factory=list, compare=False)
   # and, of its forward-pass sites, the token rows each device holds (`_local_tokens`)
   template_tokens: list = dataclasses.field(default_factory=list, compare=False)
+  # and the devices of the mesh axis those rows are split over (the site's mesh rows)
+  template_row_devices: list = dataclasses.field(default_factory=list, compare=False)
   template_largest_s: float = dataclasses.field(default=0.0, compare=False)
   # False once the step has too little compute for `_COLLECTIVE_OVER_XLA_MEASURED`'s rule
   # (`plan_program`): its ties with XLA's program then stay XLA's
@@ -181,7 +183,7 @@ def plan_program(closed, analysis: A.JaxprAnalysis, ctx: Context) -> tuple:
   # their own layout.
   if _step_template_pays(ctx):
     ctx = dataclasses.replace(ctx, decided={}, template_mode="on", template_compute=[],
-                              template_tokens=[],
+                              template_tokens=[], template_row_devices=[],
                               template_largest_s=max(ctx.template_compute))
     sites = []
     _walk(closed.jaxpr, analysis, ctx, (), [], sites)
@@ -914,6 +916,7 @@ def _plan_match(eqn, ctx, base: dict[str, Any], request, dimension_numbers, lhs,
       ctx.template_compute.append(compute_s)
       if forward and flow in ("os", "ls"):
         ctx.template_tokens.append(_local_tokens(problem))
+        ctx.template_row_devices.append(problem.rows)
       ksplits = (1,)
       site = dataclasses.replace(site, rule=pins.STEP_TEMPLATE_GUARD_RULE,
                                  note=_join(site.note, _TOO_LITTLE_COMPUTE_NOTE))
@@ -1008,20 +1011,39 @@ _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS = 1e-4
 # two at 2048 rows was not found: this is the measured line, not a model of it.
 _STEP_TEMPLATE_MIN_TOKENS_LARGE = 4096
 
+# ... and at least this many rows per device of the axis they are split over (the mesh
+# rows R: 64 R rows). At 1024 v4 chips (`v4:16x16x4`, same flags and sweep) GPT-3 at seq
+# 512 as 128x8 holds 4096 rows, 32 per row device, and compiled 0.981x XLA's program
+# (routed; 1.079x alpha-beta); as 64x16 (8192 rows, 128 per row device) 1.031x, and at
+# seq 1024 128x8 (64 per row device) 1.131x, 64x16 1.179x. Every GPT-3-sized step that
+# won held 64 or more (64x4 at seq 1024: 64; 32x8 at seq 512: 128, Megatron-NLG 1.007x);
+# the two 256-chip losses above held 32.
+_STEP_TEMPLATE_MIN_TOKENS_PER_ROW_DEVICE = 64
+
 
 def _step_template_pays(ctx) -> bool:
-  """Whether the probed step takes the step template (`plan_program`): its forward sites
-  hold `_STEP_TEMPLATE_MIN_TOKENS` token rows a device while its largest templated
-  matmul computes for `_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS`, and
-  `_STEP_TEMPLATE_MIN_TOKENS_LARGE` rows where that matmul computes for
-  `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` or more."""
+  """Whether the probed step takes the step template (`plan_program`): its largest
+  templated matmul computes for `_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS` while its
+  forward sites hold the token rows a device `_rows_the_template_needs`."""
   if not ctx.template_compute:
     return False
   largest = max(ctx.template_compute)
   rows = max(ctx.template_tokens, default=0)
-  if largest >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
-    return rows >= _STEP_TEMPLATE_MIN_TOKENS_LARGE
-  return largest >= _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS and rows >= _STEP_TEMPLATE_MIN_TOKENS
+  return (largest >= _STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS
+          and rows >= _rows_the_template_needs(ctx))
+
+
+def _rows_the_template_needs(ctx) -> int:
+  """The token rows a device the probed step's forward sites must hold for the step
+  template (`_step_template_pays`): `_STEP_TEMPLATE_MIN_TOKENS`, and where its largest
+  matmul computes for `_STEP_TEMPLATE_MIN_COMPUTE_SECONDS` or more
+  `_STEP_TEMPLATE_MIN_TOKENS_LARGE` and `_STEP_TEMPLATE_MIN_TOKENS_PER_ROW_DEVICE` per
+  device of the mesh rows."""
+  if max(ctx.template_compute, default=0.0) < _STEP_TEMPLATE_MIN_COMPUTE_SECONDS:
+    return _STEP_TEMPLATE_MIN_TOKENS
+  return max(_STEP_TEMPLATE_MIN_TOKENS_LARGE,
+             _STEP_TEMPLATE_MIN_TOKENS_PER_ROW_DEVICE * max(ctx.template_row_devices,
+                                                             default=1))
 
 
 def step_notes(ctx) -> tuple:
@@ -1036,10 +1058,10 @@ def step_notes(ctx) -> tuple:
     short = (f"its largest matmul computes for {largest * 1e3:.3f} ms, under the "
              f"{_STEP_TEMPLATE_MIN_TOKENS_COMPUTE_SECONDS * 1e3:.1f} ms it needs")
   else:
-    needed = (_STEP_TEMPLATE_MIN_TOKENS_LARGE
-              if largest >= _STEP_TEMPLATE_MIN_COMPUTE_SECONDS else _STEP_TEMPLATE_MIN_TOKENS)
     short = (f"its forward matmuls hold {rows} token rows a device, where a step whose "
-             f"largest matmul computes for {largest * 1e3:.2f} ms needs {needed}")
+             f"largest matmul computes for {largest * 1e3:.2f} ms on "
+             f"{max(ctx.template_row_devices, default=1)} mesh rows needs "
+             f"{_rows_the_template_needs(ctx)}")
   return (f"the step template was not taken: {short} (steps with less compiled slower than "
           "XLA's program with it; docs/tpu.md, \"The step template on smaller layers\" and "
           "\"GPT-3-sized steps need 4096 token rows\")",)

@@ -226,8 +226,33 @@ def test_a_gpt3_sized_step_needs_4096_token_rows_a_device_for_the_template(seq, 
     assert note.startswith("the step template was not taken: its forward matmuls hold 2048 "
                            "token rows a device, where a step whose largest matmul computes "
                            "for ")
-    assert " ms needs 4096 (steps with less compiled slower than XLA's program" in note
+    assert " ms on 2 mesh rows needs 4096 (steps with less compiled slower than XLA's" in note
     assert f"note: {note}" in str(report)
+
+
+@pytest.mark.parametrize("seq, templated", [(512, False), (1024, True)])
+def test_a_long_row_axis_needs_64_token_rows_per_row_device(seq, templated):
+  """At 1024 v4 chips as 128x8 GPT-3 at seq 512 holds 4096 token rows a device, enough
+  for `_STEP_TEMPLATE_MIN_TOKENS_LARGE`, but 32 per device of the 128-device row axis:
+  the template compiled 0.981x XLA's program there (routed links), and 1.131x at seq 1024
+  (64 per row device: `_STEP_TEMPLATE_MIN_TOKENS_PER_ROW_DEVICE`). Planning only, on
+  abstract inputs of the 1024-chip mesh, one sequence per chip."""
+  from meshslice import planning
+  mesh = aot.make_mesh("v4:16x16x4", (128, 8))
+  step, params, batch = aot.model_step("gpt3", mesh, batch=1024, seq=seq)
+  report = meshslice.explain(step, profile="tpu-v4", compiler_flags=aot.preset_flags(
+      "dense,async,all_to_all", "v4"))(params, batch)
+  rows = 1024 * seq // 128
+  assert rows >= planning._STEP_TEMPLATE_MIN_TOKENS_LARGE
+  assert (rows >= planning._STEP_TEMPLATE_MIN_TOKENS_PER_ROW_DEVICE * 128) is templated
+  said = [n for n in report.notes if n.startswith("the step template was not taken")]
+  if templated:
+    assert {s.rule for s in report.rewritten} == {"step_template"} and not said
+  else:
+    assert not report.rewritten
+    note, = said
+    assert "hold 4096 token rows a device, where a step whose largest matmul" in note
+    assert " ms on 128 mesh rows needs 8192 (steps with less" in note
 
 
 def test_the_step_decides_so_small_sites_of_a_large_step_take_the_template():
