@@ -1048,8 +1048,9 @@ def _rows_the_template_needs(ctx) -> int:
 
 def step_notes(ctx) -> tuple:
   """What the report says of the step as a whole, once `plan_program` has planned it with
-  `ctx`: why a step that could take the step template did not (its sites' own notes are
-  replaced where they are left to XLA)."""
+  `ctx` (the Context passed in: its probe walk filled `ctx.template_*`): why a step that
+  could take the step template did not (its sites' own notes are replaced where they are
+  left to XLA)."""
   if not ctx.template_compute or _step_template_pays(ctx):
     return ()
   largest = max(ctx.template_compute)
